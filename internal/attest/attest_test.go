@@ -1,0 +1,190 @@
+package attest_test
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/tpmtest"
+)
+
+func newProver(t *testing.T, ca *tpmtest.CA) *attest.Prover {
+	t.Helper()
+	tpm, err := attest.OpenTPM(ca.NewTPM(t).Device())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := attest.NewProver(tpm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func nonce(t *testing.T) []byte {
+	n := make([]byte, attest.NonceSize)
+	if _, err := rand.Read(n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestAttestation(t *testing.T) {
+	ca := tpmtest.NewCA(t)
+	alice, bob := newProver(t, ca), newProver(t, ca)
+	v := attest.NewVerifier(ca.Roots(t), ca.Intermediates(t), nil)
+	pcrs := []int{0, 4, 7, 9, 11}
+
+	t.Run("accepted", func(t *testing.T) {
+		n := nonce(t)
+		ev, err := alice.Evidence(n, pcrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pending, err := v.Verify(ev, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		secret, err := alice.Activate(pending.Challenge)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := pending.Complete(&berthv1.ActivationProof{Secret: secret})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.EKFingerprint != alice.EKFingerprint() || res.EKFingerprint == bob.EKFingerprint() {
+			t.Errorf("fingerprint %s, want alice's %s", res.EKFingerprint, alice.EKFingerprint())
+		}
+		if len(res.PCRs) != len(pcrs) || !bytes.Equal(res.PCRs[4], ev.Pcrs[4]) {
+			t.Errorf("PCRs %x, evidence %x", res.PCRs, ev.Pcrs)
+		}
+	})
+
+	refusals := []struct {
+		name   string
+		want   error
+		tamper func(t *testing.T, ev *berthv1.Evidence) (verifyNonce []byte)
+		// complete, if set, answers the challenge instead of alice.
+		complete func(t *testing.T, c *berthv1.ActivationChallenge) []byte
+	}{
+		{name: "nonce of another connection", want: attest.ErrUntrusted,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte { return nonce(t) }},
+		{name: "PCR value changed after quoting", want: attest.ErrUntrusted,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte {
+				ev.Pcrs[9] = bytes.Repeat([]byte{0xaa}, 32)
+				return nil
+			}},
+		{name: "PCR dropped from the evidence", want: attest.ErrUntrusted,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte {
+				delete(ev.Pcrs, 9)
+				return nil
+			}},
+		{name: "PCR with a short digest", want: attest.ErrMalformed,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte {
+				ev.Pcrs[4] = ev.Pcrs[4][:20]
+				return nil
+			}},
+		{name: "EK certificate of another TPM", want: attest.ErrUntrusted,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte {
+				other, err := bob.Evidence(nonce(t), pcrs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ev.EkCertificate = other.EkCertificate
+				return nil
+			},
+			complete: func(t *testing.T, c *berthv1.ActivationChallenge) []byte {
+				// Neither TPM can answer: bob has the EK, alice the AK.
+				if s, err := bob.Activate(c); err == nil {
+					return s
+				}
+				if s, err := alice.Activate(c); err == nil {
+					return s
+				}
+				return []byte("guess")
+			}},
+		{name: "no evidence parts", want: attest.ErrMalformed,
+			tamper: func(t *testing.T, ev *berthv1.Evidence) []byte {
+				ev.AkCreateAttestation = nil
+				return nil
+			}},
+	}
+	for _, tc := range refusals {
+		t.Run(tc.name, func(t *testing.T) {
+			n := nonce(t)
+			ev, err := alice.Evidence(n, pcrs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ev = proto.Clone(ev).(*berthv1.Evidence)
+			verifyNonce := n
+			if other := tc.tamper(t, ev); other != nil {
+				verifyNonce = other
+			}
+			pending, err := v.Verify(ev, verifyNonce)
+			if err == nil {
+				answer := tc.complete
+				if answer == nil {
+					t.Fatal("tampered evidence verified")
+				}
+				_, err = pending.Complete(&berthv1.ActivationProof{Secret: answer(t, pending.Challenge)})
+			}
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("error %v, want %v", err, tc.want)
+			}
+		})
+	}
+
+	t.Run("EK certificate from an unknown CA", func(t *testing.T) {
+		other := tpmtest.NewCA(t)
+		stranger := newProver(t, other)
+		n := nonce(t)
+		ev, err := stranger.Evidence(n, pcrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := v.Verify(ev, n); !errors.Is(err, attest.ErrUntrusted) {
+			t.Fatalf("error %v, want ErrUntrusted", err)
+		}
+	})
+
+	t.Run("EK certificate not yet valid", func(t *testing.T) {
+		late := attest.NewVerifier(ca.Roots(t), ca.Intermediates(t), func() time.Time { return time.Now().AddDate(-1, 0, 0) })
+		n := nonce(t)
+		ev, err := alice.Evidence(n, pcrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := late.Verify(ev, n); !errors.Is(err, attest.ErrUntrusted) {
+			t.Fatalf("error %v, want ErrUntrusted", err)
+		}
+	})
+}
+
+func TestParseCABundle(t *testing.T) {
+	ca := tpmtest.NewCA(t)
+	p := newProver(t, ca)
+	roots, inters, err := attest.ParseCABundle(ca.BundlePEM(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := nonce(t)
+	ev, err := p.Evidence(n, []int{7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := attest.NewVerifier(roots, inters, nil).Verify(ev, n); err != nil {
+		t.Fatalf("bundle split into roots and intermediates does not verify: %v", err)
+	}
+	if _, _, err := attest.ParseCABundle([]byte("not pem")); err == nil {
+		t.Fatal("empty bundle accepted")
+	}
+}

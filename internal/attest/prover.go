@@ -1,0 +1,114 @@
+package attest
+
+import (
+	"crypto/rsa"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	gattest "github.com/google/go-attestation/attest"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+)
+
+// Prover makes evidence with one TPM. It creates its attestation key once and serializes all TPM use: a
+// TPM executes one command at a time.
+type Prover struct {
+	mu  sync.Mutex
+	tpm *gattest.TPM
+	ek  gattest.EK
+	ak  *gattest.AK
+}
+
+// NewProver takes ownership of tpm: Close closes it. The TPM must hold an RSA EK certificate in its NV
+// index, as TPMs from every manufacturer and the clouds' vTPMs do.
+func NewProver(tpm *gattest.TPM) (*Prover, error) {
+	eks, err := tpm.EKs()
+	if err != nil {
+		return nil, fmt.Errorf("reading endorsement keys: %w", err)
+	}
+	var ek *gattest.EK
+	for i := range eks {
+		if _, ok := eks[i].Public.(*rsa.PublicKey); ok && eks[i].Certificate != nil {
+			ek = &eks[i]
+			break
+		}
+	}
+	if ek == nil {
+		return nil, errors.New("the TPM has no RSA endorsement key certificate")
+	}
+	// ECDSA because key generation inside a TPM is much faster for P-256 than for RSA-2048.
+	ak, err := tpm.NewAK(&gattest.AKConfig{Algorithm: gattest.ECDSA})
+	if err != nil {
+		return nil, fmt.Errorf("creating attestation key: %w", err)
+	}
+	return &Prover{tpm: tpm, ek: *ek, ak: ak}, nil
+}
+
+// Evidence quotes the given PCRs (SHA-256 bank) over nonce.
+func (p *Prover) Evidence(nonce []byte, pcrs []int) (*berthv1.Evidence, error) {
+	if len(pcrs) == 0 {
+		return nil, errors.New("no PCRs to quote")
+	}
+	for _, i := range pcrs {
+		if i < 0 || i > 23 {
+			return nil, fmt.Errorf("PCR index %d out of range 0-23", i)
+		}
+	}
+	pcrs = slices.Clone(pcrs)
+	slices.Sort(pcrs)
+	pcrs = slices.Compact(pcrs)
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	quote, err := p.ak.QuotePCRs(p.tpm, nonce, gattest.HashSHA256, pcrs)
+	if err != nil {
+		return nil, fmt.Errorf("quoting PCRs %v: %w", pcrs, err)
+	}
+	values, err := p.tpm.PCRs(gattest.HashSHA256)
+	if err != nil {
+		return nil, fmt.Errorf("reading PCRs: %w", err)
+	}
+	ev := &berthv1.Evidence{
+		EkCertificate:  p.ek.Certificate.Raw,
+		Quote:          quote.Quote,
+		QuoteSignature: quote.Signature,
+		Pcrs:           make(map[uint32][]byte, len(pcrs)),
+	}
+	params := p.ak.AttestationParameters()
+	ev.AkPublic, ev.AkCreateData, ev.AkCreateAttestation, ev.AkCreateSignature =
+		params.Public, params.CreateData, params.CreateAttestation, params.CreateSignature
+	for _, v := range values {
+		if slices.Contains(pcrs, v.Index) {
+			ev.Pcrs[uint32(v.Index)] = v.Digest
+		}
+	}
+	// A PCR can move between the quote and the read (the kernel keeps extending PCR 10). The verifier would
+	// refuse such evidence; it is retried by the caller, whose next attempt sees settled values.
+	return ev, nil
+}
+
+// Activate recovers the secret of a challenge made for this TPM's EK and attestation key.
+func (p *Prover) Activate(c *berthv1.ActivationChallenge) ([]byte, error) {
+	if c == nil {
+		return nil, errors.New("no activation challenge")
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	secret, err := p.ak.ActivateCredentialWithEK(p.tpm, gattest.EncryptedCredential{Credential: c.Credential, Secret: c.Secret}, p.ek)
+	if err != nil {
+		return nil, fmt.Errorf("activating credential: %w", err)
+	}
+	return secret, nil
+}
+
+// EKFingerprint names this TPM the way a Verifier's Result does.
+func (p *Prover) EKFingerprint() string { return ekFingerprint(p.ek.Certificate) }
+
+// Close releases the attestation key and the TPM.
+func (p *Prover) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return errors.Join(p.ak.Close(p.tpm), p.tpm.Close())
+}

@@ -1,0 +1,67 @@
+// Package attest proves and checks what a machine runs with its TPM.
+//
+// A Prover sits next to the TPM: it offers the TPM's endorsement key certificate, a fresh attestation key
+// with the TPM's statement of how that key was made, and a quote over PCR values. A Verifier checks all of
+// it: the EK certificate chains to a configured root, the attestation key is a restricted key that the TPM
+// itself created, the quote is signed by that key over the expected nonce, and — by credential activation —
+// that the attestation key lives in the same TPM as the endorsement key. Without that last step any key
+// could claim to be an attestation key of any certified TPM.
+//
+// The nonce is never chosen by either side: both derive it from the TLS connection the evidence travels
+// on (see Nonce), so a quote made for one connection is worthless on another.
+package attest
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+
+	gattest "github.com/google/go-attestation/attest"
+)
+
+// DefaultDevice is the kernel's TPM resource manager, which lets several processes share the TPM.
+const DefaultDevice = "/dev/tpmrm0"
+
+// eventLogPath is where the kernel exposes the firmware's measurement log.
+const eventLogPath = "/sys/kernel/security/tpm0/binary_bios_measurements"
+
+// OpenTPM opens the TPM named by device: a character device such as /dev/tpmrm0, "unix:/path" for swtpm's
+// unixio server, or "tcp:host:port" for swtpm's TCP server.
+func OpenTPM(device string) (*gattest.TPM, error) {
+	if device == "" {
+		device = DefaultDevice
+	}
+	var rwc io.ReadWriteCloser
+	var err error
+	switch {
+	case strings.HasPrefix(device, "unix:"):
+		rwc, err = net.Dial("unix", strings.TrimPrefix(device, "unix:"))
+	case strings.HasPrefix(device, "tcp:"):
+		rwc, err = net.Dial("tcp", strings.TrimPrefix(device, "tcp:"))
+	default:
+		rwc, err = os.OpenFile(device, os.O_RDWR, 0)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
+	}
+	tpm, err := gattest.OpenTPM(&gattest.OpenConfig{CommandChannel: channel{rwc}})
+	if err != nil {
+		rwc.Close()
+		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
+	}
+	return tpm, nil
+}
+
+// channel hands go-attestation a command stream plus the firmware event log, where the kernel offers one.
+type channel struct{ io.ReadWriteCloser }
+
+func (channel) MeasurementLog() ([]byte, error) {
+	log, err := os.ReadFile(eventLogPath)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	return log, err
+}
