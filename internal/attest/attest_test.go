@@ -39,7 +39,7 @@ func nonce(t *testing.T) []byte {
 func TestAttestation(t *testing.T) {
 	ca := tpmtest.NewCA(t)
 	alice, bob := newProver(t, ca), newProver(t, ca)
-	v := attest.NewVerifier(ca.Roots(t), ca.Intermediates(t), nil)
+	v := attest.NewVerifier(ca.Roots(), ca.Intermediates(), nil)
 	pcrs := []int{0, 4, 7, 9, 11}
 
 	t.Run("accepted", func(t *testing.T) {
@@ -157,7 +157,7 @@ func TestAttestation(t *testing.T) {
 	})
 
 	t.Run("EK certificate not yet valid", func(t *testing.T) {
-		late := attest.NewVerifier(ca.Roots(t), ca.Intermediates(t), func() time.Time { return time.Now().AddDate(-1, 0, 0) })
+		late := attest.NewVerifier(ca.Roots(), ca.Intermediates(), func() time.Time { return time.Now().AddDate(-1, 0, 0) })
 		n := nonce(t)
 		ev, err := alice.Evidence(n, pcrs)
 		if err != nil {
@@ -172,7 +172,7 @@ func TestAttestation(t *testing.T) {
 func TestParseCABundle(t *testing.T) {
 	ca := tpmtest.NewCA(t)
 	p := newProver(t, ca)
-	roots, inters, err := attest.ParseCABundle(ca.BundlePEM(t))
+	roots, inters, err := attest.ParseCABundle(ca.BundlePEM())
 	if err != nil {
 		t.Fatal(err)
 	}

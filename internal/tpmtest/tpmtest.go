@@ -47,7 +47,24 @@ func NewCA(t testing.TB) *CA {
 			t.Fatal(err)
 		}
 	}
-	return &CA{Dir: dir, setupConf: filepath.Join(dir, "setup.conf")}
+	ca := &CA{Dir: dir, setupConf: filepath.Join(dir, "setup.conf")}
+	// swtpm_localca makes the CA's keys while manufacturing the first TPM; doing that now lets callers
+	// build verifiers before any TPM exists.
+	ca.manufacture(t, t.TempDir())
+	ca.load(t)
+	return ca
+}
+
+func (ca *CA) manufacture(t testing.TB, state string) {
+	t.Helper()
+	// swtpm_localca keeps a serial-number file; two setups at once would race on it.
+	ca.mu.Lock()
+	defer ca.mu.Unlock()
+	out, err := exec.Command("swtpm_setup", "--tpm2", "--tpmstate", state, "--create-ek-cert",
+		"--create-platform-cert", "--lock-nvram", "--config", ca.setupConf).CombinedOutput()
+	if err != nil {
+		t.Fatalf("swtpm_setup: %v\n%s", err, out)
+	}
 }
 
 func mustLookPath(t testing.TB, tool string) string {
@@ -59,34 +76,20 @@ func mustLookPath(t testing.TB, tool string) string {
 	return p
 }
 
-// Roots is the pool with the CA's root certificate; Intermediates holds the CA that signs EK certificates.
-func (ca *CA) Roots(t testing.TB) *x509.CertPool {
-	ca.load(t)
-	return ca.roots
-}
+// Roots is the pool with the CA's root certificate.
+func (ca *CA) Roots() *x509.CertPool { return ca.roots }
 
 // Intermediates is the pool with the CA that signs EK certificates.
-func (ca *CA) Intermediates(t testing.TB) *x509.CertPool {
-	ca.load(t)
-	return ca.inters
-}
+func (ca *CA) Intermediates() *x509.CertPool { return ca.inters }
 
 // BundlePEM is the root followed by the intermediate, as an operator would configure them.
-func (ca *CA) BundlePEM(t testing.TB) []byte {
-	ca.load(t)
-	return append(append([]byte{}, ca.rootPEM...), ca.interPEM...)
-}
+func (ca *CA) BundlePEM() []byte { return append(append([]byte{}, ca.rootPEM...), ca.interPEM...) }
 
 func (ca *CA) load(t testing.TB) {
 	t.Helper()
-	ca.mu.Lock()
-	defer ca.mu.Unlock()
-	if ca.roots != nil {
-		return
-	}
 	root, err := os.ReadFile(filepath.Join(ca.Dir, "swtpm-localca-rootca-cert.pem"))
 	if err != nil {
-		t.Fatalf("reading EK root CA (manufacture a TPM first): %v", err)
+		t.Fatalf("reading EK root CA: %v", err)
 	}
 	inter, err := os.ReadFile(filepath.Join(ca.Dir, "issuercert.pem"))
 	if err != nil {
@@ -114,14 +117,7 @@ func (ca *CA) NewTPM(t testing.TB) *TPM {
 	if err := os.Mkdir(state, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	// swtpm_localca creates the CA keys on first use; two setups at once would race on them.
-	ca.mu.Lock()
-	out, err := exec.Command("swtpm_setup", "--tpm2", "--tpmstate", state, "--create-ek-cert",
-		"--create-platform-cert", "--lock-nvram", "--config", ca.setupConf).CombinedOutput()
-	ca.mu.Unlock()
-	if err != nil {
-		t.Fatalf("swtpm_setup: %v\n%s", err, out)
-	}
+	ca.manufacture(t, state)
 	tpm := &TPM{Socket: filepath.Join(dir, "tpm.sock")}
 	tpm.cmd = exec.Command("swtpm", "socket", "--tpm2",
 		"--tpmstate", "dir="+state,

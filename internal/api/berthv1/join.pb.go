@@ -223,7 +223,10 @@ type JoinRequest struct {
 	// LUKS2 UUID of the node's state disk, canonical lowercase form.
 	DiskUuid string `protobuf:"bytes,2,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
 	// DER PKCS#10 request for the kubelet client certificate.
-	KubeletCsr    []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
+	KubeletCsr []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
+	// Role the node read from its own metadata. It grants nothing: the service refuses a node whose instance
+	// record disagrees, so that a confused or tampered node fails loudly instead of joining as a worker.
+	Role          string `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -277,6 +280,13 @@ func (x *JoinRequest) GetKubeletCsr() []byte {
 		return x.KubeletCsr
 	}
 	return nil
+}
+
+func (x *JoinRequest) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
 }
 
 type RejoinRequest struct {
@@ -605,12 +615,13 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\vjoin_ticket\x18\x02 \x01(\v2\x14.berth.v1.JoinTicketH\x00R\n" +
 	"joinTicket\x12=\n" +
 	"\rrejoin_ticket\x18\x03 \x01(\v2\x16.berth.v1.RejoinTicketH\x00R\frejoinTicketB\x05\n" +
-	"\x03msg\"{\n" +
+	"\x03msg\"\x8f\x01\n" +
 	"\vJoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
 	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x1f\n" +
 	"\vkubelet_csr\x18\x03 \x01(\fR\n" +
-	"kubeletCsr\"\\\n" +
+	"kubeletCsr\x12\x12\n" +
+	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
 	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\xc1\x04\n" +

@@ -1,0 +1,167 @@
+package kubeadm
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+	"unicode"
+)
+
+// Runner runs kubeadm with a configuration file rendered by InitConfig or
+// JoinConfig, reporting each line of kubeadm's output to progress (which may
+// be nil). progress is called for one line at a time, in output order; while
+// it runs, kubeadm's output is not read.
+type Runner interface {
+	Init(ctx context.Context, configPath string, progress func(line string)) error
+	Join(ctx context.Context, configPath string, progress func(line string)) error
+}
+
+const (
+	// tailLines is how much of kubeadm's output a failure carries: enough
+	// to show the failing phase and kubeadm's own error message.
+	tailLines = 20
+	// maxLineBytes caps a line buffered without a newline.
+	maxLineBytes = 64 << 10
+	// waitDelay bounds the wait for output after kubeadm has exited or been
+	// killed, in case something it started still holds the pipe open.
+	waitDelay = 10 * time.Second
+)
+
+// tokenInOutput matches bootstrap tokens, which kubeadm init prints in its
+// closing "kubeadm join" hint; they must not reach logs or errors.
+var tokenInOutput = regexp.MustCompile(`\b[a-z0-9]{6}\.[a-z0-9]{16}\b`)
+
+// Exec runs the kubeadm binary.
+type Exec struct {
+	// Binary defaults to "kubeadm", looked up in PATH.
+	Binary string
+	// IgnorePreflightErrors are passed as --ignore-preflight-errors.
+	IgnorePreflightErrors []string
+	// Logger defaults to discarding.
+	Logger *slog.Logger
+}
+
+var _ Runner = (*Exec)(nil)
+
+// Init runs `kubeadm init --config configPath`.
+func (e *Exec) Init(ctx context.Context, configPath string, progress func(line string)) error {
+	return e.run(ctx, "init", configPath, progress)
+}
+
+// Join runs `kubeadm join --config configPath`.
+func (e *Exec) Join(ctx context.Context, configPath string, progress func(line string)) error {
+	return e.run(ctx, "join", configPath, progress)
+}
+
+func (e *Exec) run(ctx context.Context, command, configPath string, progress func(string)) error {
+	if configPath == "" {
+		return fmt.Errorf("kubeadm %s: config path is required", command)
+	}
+	args := []string{command, "--config", configPath}
+	if len(e.IgnorePreflightErrors) > 0 {
+		for _, check := range e.IgnorePreflightErrors {
+			if check == "" || strings.IndexFunc(check, func(r rune) bool { return r == ',' || unicode.IsSpace(r) || unicode.IsControl(r) }) >= 0 {
+				return fmt.Errorf("kubeadm %s: preflight check name %q is empty or has a comma, whitespace or control characters", command, check)
+			}
+		}
+		args = append(args, "--ignore-preflight-errors="+strings.Join(e.IgnorePreflightErrors, ","))
+	}
+	logger := e.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	logger = logger.With("command", command)
+
+	out := &lineWriter{emit: func(line string) {
+		logger.Debug("kubeadm output", "line", line)
+		if progress != nil {
+			progress(line)
+		}
+	}}
+	cmd := exec.CommandContext(ctx, cmp.Or(e.Binary, "kubeadm"), args...)
+	// One writer for both streams: exec then gives kubeadm a single pipe, so
+	// the lines arrive in the order kubeadm wrote them and Write is never
+	// called concurrently.
+	cmd.Stdout = out
+	cmd.Stderr = out
+	// kubeadm runs helpers (systemctl, crictl); cancelling must stop them
+	// too, so kubeadm gets its own process group and the whole group is
+	// killed.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error {
+		err := syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		if errors.Is(err, syscall.ESRCH) {
+			return os.ErrProcessDone
+		}
+		return err
+	}
+	cmd.WaitDelay = waitDelay
+
+	logger.Info("running kubeadm", "binary", cmd.Path, "args", args)
+	err := cmd.Run()
+	out.flush()
+	if err == nil {
+		logger.Info("kubeadm finished")
+		return nil
+	}
+	if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
+		err = fmt.Errorf("%w (%v)", ctxErr, err)
+	}
+	return fmt.Errorf("kubeadm %s: %w%s", command, err, out.tailText())
+}
+
+// lineWriter splits output into lines, masks bootstrap tokens, passes each
+// line on and keeps the last few for error messages.
+type lineWriter struct {
+	emit    func(string)
+	partial []byte
+	tail    []string
+}
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	n := len(p)
+	for len(p) > 0 {
+		i := bytes.IndexByte(p, '\n')
+		if i < 0 {
+			w.partial = append(w.partial, p...)
+			if len(w.partial) >= maxLineBytes {
+				w.flush()
+			}
+			break
+		}
+		w.partial = append(w.partial, p[:i]...)
+		w.flush()
+		p = p[i+1:]
+	}
+	return n, nil
+}
+
+// flush emits the buffered line; blank lines carry nothing and are dropped.
+func (w *lineWriter) flush() {
+	if len(w.partial) == 0 {
+		return
+	}
+	line := tokenInOutput.ReplaceAllString(strings.TrimSuffix(string(w.partial), "\r"), "<redacted-token>")
+	w.partial = w.partial[:0]
+	if len(w.tail) == tailLines {
+		w.tail = append(w.tail[:0], w.tail[1:]...)
+	}
+	w.tail = append(w.tail, line)
+	w.emit(line)
+}
+
+func (w *lineWriter) tailText() string {
+	if len(w.tail) == 0 {
+		return "; no output"
+	}
+	return fmt.Sprintf("; last %d lines of output:\n%s", len(w.tail), strings.Join(w.tail, "\n"))
+}

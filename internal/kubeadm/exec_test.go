@@ -1,0 +1,271 @@
+package kubeadm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// fakeKubeadm writes a shell script standing in for kubeadm and returns its
+// path; the script body sees the arguments as "$@".
+func fakeKubeadm(t *testing.T, body string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeadm")
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"+body+"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// record returns a progress func that collects lines, and the lines.
+func record() (func(string), *[]string) {
+	var lines []string
+	return func(l string) { lines = append(lines, l) }, &lines
+}
+
+func TestExecArgs(t *testing.T) {
+	tests := []struct {
+		name    string
+		join    bool
+		ignore  []string
+		wantArg []string
+	}{
+		{"init", false, nil, []string{"init", "--config", "/etc/berth/kubeadm.yaml"}},
+		{"join", true, nil, []string{"join", "--config", "/etc/berth/kubeadm.yaml"}},
+		{"init ignoring checks", false, []string{"SystemVerification", "FileContent--proc-sys-net-ipv4-ip_forward"},
+			[]string{"init", "--config", "/etc/berth/kubeadm.yaml", "--ignore-preflight-errors=SystemVerification,FileContent--proc-sys-net-ipv4-ip_forward"}},
+		{"join ignoring one check", true, []string{"all"},
+			[]string{"join", "--config", "/etc/berth/kubeadm.yaml", "--ignore-preflight-errors=all"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := &Exec{
+				Binary:                fakeKubeadm(t, `for a in "$@"; do echo "arg:$a"; done`),
+				IgnorePreflightErrors: tt.ignore,
+			}
+			progress, lines := record()
+			run := e.Init
+			if tt.join {
+				run = e.Join
+			}
+			if err := run(context.Background(), "/etc/berth/kubeadm.yaml", progress); err != nil {
+				t.Fatalf("run: %v", err)
+			}
+			var want []string
+			for _, a := range tt.wantArg {
+				want = append(want, "arg:"+a)
+			}
+			if !slices.Equal(*lines, want) {
+				t.Errorf("kubeadm got args\n%q\nwant\n%q", *lines, want)
+			}
+		})
+	}
+}
+
+func TestExecDefaultBinaryFromPath(t *testing.T) {
+	dir := filepath.Dir(fakeKubeadm(t, `echo "found on PATH: $1"`))
+	t.Setenv("PATH", dir)
+	progress, lines := record()
+	if err := (&Exec{}).Join(context.Background(), "/cfg.yaml", progress); err != nil {
+		t.Fatalf("Join: %v", err)
+	}
+	if want := []string{"found on PATH: join"}; !slices.Equal(*lines, want) {
+		t.Errorf("lines = %q, want %q", *lines, want)
+	}
+}
+
+func TestExecStreamsLinesInOrder(t *testing.T) {
+	bin := fakeKubeadm(t, `
+echo "[preflight] Running pre-flight checks"
+echo "W0101 warning on stderr" >&2
+printf 'split '; printf 'across writes\n'
+printf 'crlf line\r\n'
+echo
+echo "[kubelet-start] Starting the kubelet" >&2
+printf 'no trailing newline'`)
+	var logs bytes.Buffer
+	e := &Exec{Binary: bin, Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	progress, lines := record()
+	if err := e.Init(context.Background(), "/cfg.yaml", progress); err != nil {
+		t.Fatalf("Init: %v", err)
+	}
+	want := []string{
+		"[preflight] Running pre-flight checks",
+		"W0101 warning on stderr",
+		"split across writes",
+		"crlf line",
+		"[kubelet-start] Starting the kubelet",
+		"no trailing newline",
+	}
+	if !slices.Equal(*lines, want) {
+		t.Errorf("progress got\n%q\nwant\n%q", *lines, want)
+	}
+	// One debug event per line, in the same order.
+	last := -1
+	for _, l := range want {
+		i := strings.Index(logs.String(), fmt.Sprintf("line=%q", l))
+		if i <= last {
+			t.Fatalf("debug log lacks %q after the previous line:\n%s", l, logs.String())
+		}
+		last = i
+	}
+	if !strings.Contains(logs.String(), "msg=\"kubeadm finished\"") {
+		t.Errorf("no completion event in log:\n%s", logs.String())
+	}
+}
+
+func TestExecFailureCarriesTail(t *testing.T) {
+	bin := fakeKubeadm(t, `
+i=1
+while [ $i -le 30 ]; do printf 'line-%02d\n' $i; i=$((i+1)); done
+echo "error execution phase preflight: [preflight] Some fatal errors occurred" >&2
+exit 3`)
+	progress, lines := record()
+	err := (&Exec{Binary: bin}).Init(context.Background(), "/cfg.yaml", progress)
+	if err == nil {
+		t.Fatal("Init succeeded, want the exit status")
+	}
+	var exitErr *exec.ExitError
+	if !errors.As(err, &exitErr) || exitErr.ExitCode() != 3 {
+		t.Errorf("error %v does not wrap exit status 3", err)
+	}
+	if len(*lines) != 31 {
+		t.Errorf("progress got %d lines, want 31", len(*lines))
+	}
+	msg := err.Error()
+	if !strings.HasPrefix(msg, "kubeadm init: exit status 3; last 20 lines of output:\n") {
+		t.Errorf("error starts %q", msg)
+	}
+	for i := 1; i <= 30; i++ {
+		line := fmt.Sprintf("line-%02d", i)
+		if got, want := strings.Contains(msg, line), i > 11; got != want {
+			t.Errorf("error contains %s: %v, want %v", line, got, want)
+		}
+	}
+	if !strings.HasSuffix(msg, "\nerror execution phase preflight: [preflight] Some fatal errors occurred") {
+		t.Errorf("error does not end with kubeadm's last line:\n%s", msg)
+	}
+}
+
+func TestExecFailureWithoutOutput(t *testing.T) {
+	err := (&Exec{Binary: fakeKubeadm(t, "exit 1")}).Join(context.Background(), "/cfg.yaml", nil)
+	if err == nil || err.Error() != "kubeadm join: exit status 1; no output" {
+		t.Errorf("error = %v", err)
+	}
+}
+
+func TestExecMasksTokens(t *testing.T) {
+	bin := fakeKubeadm(t, `
+echo "kubeadm join 10.0.0.10:6443 --token `+testToken+` \\"
+echo "	--discovery-token-ca-cert-hash `+testHash+`"
+exit 1`)
+	var logs bytes.Buffer
+	e := &Exec{Binary: bin, Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	progress, lines := record()
+	err := e.Init(context.Background(), "/cfg.yaml", progress)
+	if err == nil {
+		t.Fatal("Init succeeded")
+	}
+	for what, text := range map[string]string{"error": err.Error(), "log": logs.String(), "progress": strings.Join(*lines, "\n")} {
+		if strings.Contains(text, testToken) {
+			t.Errorf("%s contains the token:\n%s", what, text)
+		}
+		if !strings.Contains(text, "--token <redacted-token>") {
+			t.Errorf("%s lacks the masked token:\n%s", what, text)
+		}
+		if !strings.Contains(text, testHash) {
+			t.Errorf("%s lost the CA hash, which is public:\n%s", what, text)
+		}
+	}
+}
+
+func TestExecCancelKillsProcessGroup(t *testing.T) {
+	pidFile := filepath.Join(t.TempDir(), "child.pid")
+	// The background sleep inherits the output pipe, as a helper started by
+	// kubeadm would; killing only the shell would leave it running.
+	bin := fakeKubeadm(t, `
+sleep 600 &
+echo $! > `+pidFile+`
+echo ready
+wait`)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	progress := func(line string) {
+		if line == "ready" {
+			cancel()
+		}
+	}
+	err := (&Exec{Binary: bin}).Join(ctx, "/cfg.yaml", progress)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("error %v does not wrap context.Canceled", err)
+	}
+	if !strings.Contains(err.Error(), "ready") {
+		t.Errorf("error lacks the output tail: %v", err)
+	}
+	b, readErr := os.ReadFile(pidFile)
+	if readErr != nil {
+		t.Fatal(readErr)
+	}
+	pid, convErr := strconv.Atoi(strings.TrimSpace(string(b)))
+	if convErr != nil {
+		t.Fatal(convErr)
+	}
+	// Gone, or a zombie waiting to be reaped by init: either way dead.
+	stat, statErr := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if statErr == nil {
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) == 0 || fields[0] != "Z" {
+			t.Errorf("kubeadm's child %d survived the cancel: %s", pid, stat)
+		}
+	}
+}
+
+func TestExecAlreadyCancelled(t *testing.T) {
+	marker := filepath.Join(t.TempDir(), "ran")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	err := (&Exec{Binary: fakeKubeadm(t, "touch "+marker)}).Init(ctx, "/cfg.yaml", nil)
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("error %v does not wrap context.Canceled", err)
+	}
+	if _, statErr := os.Stat(marker); statErr == nil {
+		t.Error("kubeadm ran although the context was already cancelled")
+	}
+}
+
+func TestExecRejects(t *testing.T) {
+	marker := filepath.Join(t.TempDir(), "ran")
+	bin := fakeKubeadm(t, "touch "+marker)
+	tests := []struct {
+		name    string
+		exec    Exec
+		config  string
+		wantErr string
+	}{
+		{"no config path", Exec{Binary: bin}, "", "kubeadm init: config path is required"},
+		{"comma in check", Exec{Binary: bin, IgnorePreflightErrors: []string{"Swap,Mem"}}, "/cfg.yaml", "preflight check name \"Swap,Mem\""},
+		{"empty check", Exec{Binary: bin, IgnorePreflightErrors: []string{""}}, "/cfg.yaml", "preflight check name \"\""},
+		{"space in check", Exec{Binary: bin, IgnorePreflightErrors: []string{"Swap --v=10"}}, "/cfg.yaml", "has a comma, whitespace"},
+		{"missing binary", Exec{Binary: filepath.Join(t.TempDir(), "no-kubeadm")}, "/cfg.yaml", "no-kubeadm: no such file or directory"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.exec.Init(context.Background(), tt.config, nil)
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("error = %v, want it to contain %q", err, tt.wantErr)
+			}
+			if _, statErr := os.Stat(marker); statErr == nil {
+				t.Error("kubeadm ran")
+			}
+		})
+	}
+}

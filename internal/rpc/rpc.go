@@ -1,0 +1,132 @@
+// Package rpc holds what every Berth gRPC endpoint shares: TLS 1.3 only, bounded message sizes and times,
+// the attestation nonce of a stream's connection, and receiving with a deadline.
+package rpc
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/pki"
+)
+
+// MaxMessageSize bounds every message either way. The largest legitimate one is a join ticket with the
+// control-plane files (a few tens of KiB) or init progress; 256 KiB leaves room without inviting abuse.
+const MaxMessageSize = 256 << 10
+
+// ServerOptions are the options of every Berth gRPC server: TLS 1.3 with cert, bounded messages,
+// a handshake timeout, few streams per connection, and idle connections closed.
+func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
+	cfg := &tls.Config{
+		MinVersion:   tls.VersionTLS13,
+		Certificates: []tls.Certificate{cert},
+	}
+	return []grpc.ServerOption{
+		grpc.Creds(credentials.NewTLS(cfg)),
+		grpc.MaxRecvMsgSize(MaxMessageSize),
+		grpc.MaxSendMsgSize(MaxMessageSize),
+		grpc.ConnectionTimeout(10 * time.Second),
+		grpc.MaxConcurrentStreams(8),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: time.Minute, MaxConnectionAge: 10 * time.Minute}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second}),
+	}
+}
+
+// PinnedTLS is the client side towards a join service: TLS 1.3, and the server's chain must contain a CA
+// whose SubjectPublicKeyInfo hashes to pin. Names are not checked: nodes reach the service by address or
+// through a load balancer, and only join services ever receive certificates from the join CA.
+func PinnedTLS(pin string, now func() time.Time) (*tls.Config, error) {
+	if _, err := pki.ParsePin(pin); err != nil {
+		return nil, fmt.Errorf("join CA pin: %w", err)
+	}
+	if now == nil {
+		now = time.Now
+	}
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		// Verification is not skipped: VerifyPeerCertificate verifies the whole chain against the pinned CA.
+		InsecureSkipVerify: true,
+		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
+			return pki.VerifyPinnedChain(pin, raw, "", now())
+		},
+	}, nil
+}
+
+// DialOptions are the client options matching ServerOptions, with a dialer that can bind a source address
+// (several lab nodes share one host's loopback) and tls for transport security.
+func DialOptions(tlsCfg *tls.Config, localAddr netip.Addr) []grpc.DialOption {
+	d := &net.Dialer{Timeout: 10 * time.Second}
+	if localAddr.IsValid() {
+		d.LocalAddr = &net.TCPAddr{IP: localAddr.AsSlice()}
+	}
+	return []grpc.DialOption{
+		grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg)),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return d.DialContext(ctx, "tcp", addr)
+		}),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxMessageSize), grpc.MaxCallSendMsgSize(MaxMessageSize)),
+	}
+}
+
+// StreamNonce is the attestation nonce of the connection a stream runs on; it works on either end.
+func StreamNonce(ctx context.Context) ([]byte, error) {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return nil, errors.New("no peer on the stream")
+	}
+	info, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok {
+		return nil, errors.New("stream is not on a TLS connection")
+	}
+	return attest.Nonce(&info.State)
+}
+
+// PeerAddr is the remote address of a stream's connection, with IPv4-mapped IPv6 addresses unmapped.
+func PeerAddr(ctx context.Context) (netip.Addr, error) {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return netip.Addr{}, errors.New("no peer on the stream")
+	}
+	ap, err := netip.ParseAddrPort(p.Addr.String())
+	if err != nil {
+		return netip.Addr{}, fmt.Errorf("peer address %q: %w", p.Addr, err)
+	}
+	return ap.Addr().Unmap(), nil
+}
+
+// Receiver is the receiving half of a gRPC stream.
+type Receiver[T any] interface {
+	Recv() (*T, error)
+}
+
+// Recv receives one message or fails when ctx ends first. gRPC's Recv blocks without a deadline of its own;
+// the goroutine left behind ends when the handler returns and gRPC cancels the stream.
+func Recv[T any](ctx context.Context, s Receiver[T]) (*T, error) {
+	type result struct {
+		msg *T
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		m, err := s.Recv()
+		ch <- result{m, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.msg, r.err
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+}

@@ -1,0 +1,125 @@
+package joinclient
+
+import (
+	"crypto/ecdsa"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/kubeadm"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+// apiServerPort is where kubeadm's API server listens on control-plane nodes.
+const apiServerPort = 6443
+
+// kubeletCSR makes the kubelet's client key and the CSR the join service checks against the instance record.
+func kubeletCSR(inst metadata.Instance) (*ecdsa.PrivateKey, []byte, error) {
+	key, err := pki.NewKey()
+	if err != nil {
+		return nil, nil, err
+	}
+	ips := make([]net.IP, len(inst.Addresses))
+	for i, a := range inst.Addresses {
+		ips[i] = a.AsSlice()
+	}
+	csr, err := x509.CreateCertificateRequest(nil, &x509.CertificateRequest{
+		Subject:     pkix.Name{CommonName: "system:node:" + inst.Name, Organization: []string{"system:nodes"}},
+		IPAddresses: ips,
+	}, key)
+	if err != nil {
+		return nil, nil, fmt.Errorf("creating kubelet CSR: %w", err)
+	}
+	return key, csr, nil
+}
+
+// KubeletCertPath is where the kubelet looks for its current client certificate and key.
+func KubeletCertPath(p nodestate.Paths) string {
+	return filepath.Join(p.KubeletDir, "pki", "kubelet-client-current.pem")
+}
+
+// writeCredentials puts the ticket's material where kubeadm and the kubelet expect it and returns the path
+// of the kubeadm join configuration. The kubelet's kubeconfig is written with the certificate the join
+// service issued, so the kubelet starts with an identity checked against the instance record instead of
+// bootstrapping one of its own choosing.
+func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
+	caCert, err := x509.ParseCertificate(t.KubernetesCaCertificate)
+	if err != nil {
+		return "", fmt.Errorf("ticket's Kubernetes CA: %w", err)
+	}
+	cert, err := x509.ParseCertificate(t.KubeletCertificate)
+	if err != nil {
+		return "", fmt.Errorf("ticket's kubelet certificate: %w", err)
+	}
+	if err := cert.CheckSignatureFrom(caCert); err != nil {
+		return "", fmt.Errorf("ticket's kubelet certificate is not signed by its Kubernetes CA: %w", err)
+	}
+	for _, f := range t.ControlPlaneFiles {
+		if !filepath.IsLocal(f.Path) {
+			return "", fmt.Errorf("control-plane file path %q leaves the certificates directory", f.Path)
+		}
+		if err := nodestate.WriteFile(filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode&0o644)); err != nil {
+			return "", err
+		}
+	}
+	if err := nodestate.WriteFile(filepath.Join(p.PKIDir(), "ca.crt"), pki.EncodeCertPEM(caCert), 0o644); err != nil {
+		return "", err
+	}
+
+	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
+	if err != nil {
+		return "", err
+	}
+	certPath := KubeletCertPath(p)
+	if err := nodestate.WriteFile(certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600); err != nil {
+		return "", err
+	}
+	kubeconfig := clientcmdapi.NewConfig()
+	kubeconfig.Clusters["default-cluster"] = &clientcmdapi.Cluster{
+		Server: "https://" + t.ApiServerEndpoint, CertificateAuthorityData: pki.EncodeCertPEM(caCert),
+	}
+	kubeconfig.AuthInfos["default-auth"] = &clientcmdapi.AuthInfo{ClientCertificate: certPath, ClientKey: certPath}
+	kubeconfig.Contexts["default-context"] = &clientcmdapi.Context{Cluster: "default-cluster", AuthInfo: "default-auth"}
+	kubeconfig.CurrentContext = "default-context"
+	data, err := clientcmd.Write(*kubeconfig)
+	if err != nil {
+		return "", err
+	}
+	if err := nodestate.WriteFile(filepath.Join(p.KubernetesDir, "kubelet.conf"), data, 0o600); err != nil {
+		return "", err
+	}
+
+	if len(inst.Addresses) == 0 {
+		return "", errors.New("instance record has no address")
+	}
+	params := kubeadm.JoinParams{
+		NodeName:          t.NodeName,
+		NodeIP:            inst.Addresses[0],
+		APIServerEndpoint: t.ApiServerEndpoint,
+		Token:             t.BootstrapToken,
+		CACertHashes:      t.DiscoveryCaCertHashes,
+	}
+	if inst.Role == metadata.RoleControlPlane {
+		params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
+	}
+	cfg, err := kubeadm.JoinConfig(params)
+	if err != nil {
+		return "", err
+	}
+	// The configuration holds the bootstrap token: it stays on the encrypted state disk, readable by root only.
+	path := filepath.Join(p.State, "kubeadm-join.yaml")
+	if err := nodestate.WriteFile(path, cfg, 0o600); err != nil {
+		return "", err
+	}
+	return path, nil
+}

@@ -1,0 +1,344 @@
+// Package joinclient makes a booting node a cluster member without a human: it finds the join service from
+// its own metadata, attests on the connection it asks on, and with the ticket sets its state-disk key,
+// writes its credentials and runs kubeadm join. After a reboot it asks for a rejoin ticket to unlock the disk.
+//
+// Retries back off exponentially with full jitter from an immediate first try, so a thousand nodes that boot
+// together neither wait out a fixed tick nor arrive in lockstep.
+package joinclient
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/kubeadm"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+// Prover makes TPM evidence (attest.Prover).
+type Prover interface {
+	Evidence(nonce []byte, pcrs []int) (*berthv1.Evidence, error)
+	Activate(*berthv1.ActivationChallenge) ([]byte, error)
+}
+
+// Metadata is the node's view of its instance metadata (metadata.Client).
+type Metadata interface {
+	Self(ctx context.Context) (*metadata.Self, error)
+	Instances(ctx context.Context) ([]metadata.Instance, error)
+}
+
+// Disk is the state disk (statedisk.Disk).
+type Disk interface {
+	SetKey(ctx context.Context, initial, key []byte) error
+}
+
+// Locker is the node lock (nodestate.Lock).
+type Locker interface {
+	TryLock(owner string) bool
+}
+
+// DefaultPCRs are quoted unless configured otherwise: firmware, boot loader, UKI and command line. PCR 10
+// is left out because IMA keeps extending it, so its value read after the quote may already differ.
+var DefaultPCRs = []int{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15}
+
+// ErrLockTaken means the init server made this node a member first.
+var ErrLockTaken = errors.New("node lock taken by the init server")
+
+// Config wires a Client.
+type Config struct {
+	Metadata Metadata
+	Prover   Prover
+	Disk     Disk
+	Lock     Locker
+	Kubeadm  kubeadm.Runner
+	Paths    nodestate.Paths
+
+	PCRs      []int
+	LocalAddr netip.Addr // optional source address for outgoing connections
+	Backoff   backoff.Policy
+	// RequestTimeout bounds one attempt against one endpoint.
+	RequestTimeout time.Duration
+	Sleep          backoff.Sleeper
+	Rand           func() float64
+	Clock          func() time.Time
+	Logger         *slog.Logger
+}
+
+// Client joins or rejoins one node.
+type Client struct {
+	cfg    Config
+	mu     sync.Mutex
+	cancel context.CancelFunc
+}
+
+// New fills in defaults.
+func New(cfg Config) *Client {
+	if len(cfg.PCRs) == 0 {
+		cfg.PCRs = DefaultPCRs
+	}
+	if cfg.RequestTimeout == 0 {
+		cfg.RequestTimeout = 30 * time.Second
+	}
+	if cfg.Sleep == nil {
+		cfg.Sleep = backoff.Sleep
+	}
+	if cfg.Rand == nil {
+		cfg.Rand = rand.Float64
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Client{cfg: cfg}
+}
+
+// Stop makes a running Join or Rejoin return; it does not wait for it.
+func (c *Client) Stop() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cancel != nil {
+		c.cancel()
+	}
+}
+
+func (c *Client) start(ctx context.Context) (context.Context, context.CancelFunc) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ctx, cancel := context.WithCancel(ctx)
+	c.cancel = cancel
+	return ctx, cancel
+}
+
+// Join runs the whole first join of a node whose state disk was just formatted.
+func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.State, error) {
+	ctx, cancel := c.start(ctx)
+	defer cancel()
+	self, err := c.self(ctx)
+	if err != nil {
+		return nil, err
+	}
+	log := c.cfg.Logger.With("node", self.Instance.Name, "role", string(self.Instance.Role))
+	kubeletKey, csr, err := kubeletCSR(self.Instance)
+	if err != nil {
+		return nil, err
+	}
+	var ticket *berthv1.JoinTicket
+	err = c.retry(ctx, log, self, "join ticket", func(ctx context.Context, conn *grpc.ClientConn) error {
+		msg, err := c.exchange(ctx, berthv1.NewJoinServiceClient(conn).IssueJoinTicket, func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
+				Evidence: ev, DiskUuid: disk.UUID, KubeletCsr: csr, Role: string(self.Instance.Role),
+			}}}
+		})
+		if err != nil {
+			return err
+		}
+		if ticket = msg.GetJoinTicket(); ticket == nil {
+			return errors.New("join service answered without a join ticket")
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("join ticket received", "cluster", ticket.ClusterId,
+		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+
+	if !c.cfg.Lock.TryLock(nodestate.OwnerJoin) {
+		log.Info("init server took the node lock first; join stops")
+		return nil, ErrLockTaken
+	}
+	if err := c.cfg.Disk.SetKey(ctx, disk.InitialKey, ticket.DiskKey); err != nil {
+		return nil, fmt.Errorf("setting state disk key: %w", err)
+	}
+	log.Info("state disk keyed", "disk", disk.UUID)
+	joinConfig, err := writeCredentials(c.cfg.Paths, self.Instance, ticket, kubeletKey)
+	if err != nil {
+		return nil, fmt.Errorf("writing credentials: %w", err)
+	}
+	err = c.cfg.Kubeadm.Join(ctx, joinConfig, func(line string) { log.Info("kubeadm", "line", line) })
+	if err != nil {
+		return nil, fmt.Errorf("kubeadm join: %w", err)
+	}
+	state := &nodestate.State{ClusterID: ticket.ClusterId, NodeName: ticket.NodeName, Role: string(self.Instance.Role),
+		Via: nodestate.OwnerJoin, Since: c.cfg.Clock().UTC()}
+	if err := nodestate.Write(c.cfg.Paths.State, state); err != nil {
+		return nil, err
+	}
+	log.Info("node joined", "cluster", state.ClusterID)
+	return state, nil
+}
+
+// Rejoin fetches the key of a state disk that was keyed on an earlier boot.
+func (c *Client) Rejoin(ctx context.Context, diskUUID string) (*berthv1.RejoinTicket, error) {
+	ctx, cancel := c.start(ctx)
+	defer cancel()
+	self, err := c.self(ctx)
+	if err != nil {
+		return nil, err
+	}
+	log := c.cfg.Logger.With("node", self.Instance.Name, "role", string(self.Instance.Role))
+	var ticket *berthv1.RejoinTicket
+	err = c.retry(ctx, log, self, "rejoin ticket", func(ctx context.Context, conn *grpc.ClientConn) error {
+		msg, err := c.exchange(ctx, berthv1.NewJoinServiceClient(conn).IssueRejoinTicket, func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{
+				Evidence: ev, DiskUuid: diskUUID,
+			}}}
+		})
+		if err != nil {
+			return err
+		}
+		if ticket = msg.GetRejoinTicket(); ticket == nil {
+			return errors.New("join service answered without a rejoin ticket")
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("rejoin ticket received", "cluster", ticket.ClusterId)
+	return ticket, nil
+}
+
+func (c *Client) self(ctx context.Context) (*metadata.Self, error) {
+	var self *metadata.Self
+	err := backoff.Retry(ctx, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, func(ctx context.Context) error {
+		var err error
+		self, err = c.cfg.Metadata.Self(ctx)
+		return err
+	}, func(attempt int, err error, next time.Duration) {
+		c.cfg.Logger.Warn("reading own metadata", "attempt", attempt, "error", err, "retry_in", next)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading own metadata: %w", err)
+	}
+	return self, nil
+}
+
+// endpoints are where join services may answer: the configured load balancers, then every control-plane
+// instance. A source that fails is a warning; having no endpoint at all is the error.
+func (c *Client) endpoints(ctx context.Context, log *slog.Logger, self *metadata.Self) ([]string, error) {
+	eps := slices.Clone(self.UserData.JoinEndpoints)
+	instances, err := c.cfg.Metadata.Instances(ctx)
+	if err != nil {
+		log.Warn("listing control-plane instances failed; using the configured endpoints only", "error", err)
+	}
+	port := strconv.Itoa(int(self.UserData.JoinPort))
+	for _, in := range instances {
+		if in.Role == metadata.RoleControlPlane && len(in.Addresses) > 0 && in.Name != self.Instance.Name {
+			eps = append(eps, net.JoinHostPort(in.Addresses[0].String(), port))
+		}
+	}
+	eps = slices.Compact(eps)
+	if len(eps) == 0 {
+		return nil, errors.New("no join endpoint: user-data names no load balancer and metadata lists no other control-plane instance")
+	}
+	// Start at a random endpoint so that a storm of nodes spreads over the control plane.
+	k := int(c.cfg.Rand() * float64(len(eps)))
+	return append(eps[k:], eps[:k]...), nil
+}
+
+// retry tries every endpoint once per attempt, backing off between attempts, until op succeeds.
+func (c *Client) retry(ctx context.Context, log *slog.Logger, self *metadata.Self, what string, op func(context.Context, *grpc.ClientConn) error) error {
+	tlsCfg, err := rpc.PinnedTLS(self.UserData.JoinCAPin, c.cfg.Clock)
+	if err != nil {
+		return backoff.Permanent(err)
+	}
+	err = backoff.Retry(ctx, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, func(ctx context.Context) error {
+		eps, err := c.endpoints(ctx, log, self)
+		if err != nil {
+			return err
+		}
+		var errs []error
+		for _, ep := range eps {
+			err := c.try(ctx, ep, tlsCfg, op)
+			if err == nil {
+				return nil
+			}
+			log.Warn("requesting "+what, "endpoint", ep, "error", err)
+			errs = append(errs, fmt.Errorf("%s: %w", ep, err))
+		}
+		return errors.Join(errs...)
+	}, func(attempt int, err error, next time.Duration) {
+		log.Info("retrying "+what, "attempt", attempt, "retry_in", next.Round(time.Millisecond))
+	})
+	if err != nil {
+		return fmt.Errorf("requesting %s: %w", what, err)
+	}
+	return nil
+}
+
+func (c *Client) try(ctx context.Context, endpoint string, tlsCfg *tls.Config, op func(context.Context, *grpc.ClientConn) error) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
+	defer cancel()
+	conn, err := grpc.NewClient(endpoint, rpc.DialOptions(tlsCfg, c.cfg.LocalAddr)...)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return op(ctx, conn)
+}
+
+type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]
+
+// exchange runs the attested request on a new stream: request with evidence, challenge, proof, ticket.
+func (c *Client) exchange(ctx context.Context, open func(context.Context, ...grpc.CallOption) (bidi, error), request func(*berthv1.Evidence) *berthv1.JoinClientMessage) (*berthv1.JoinServerMessage, error) {
+	st, err := open(ctx, grpc.WaitForReady(false))
+	if err != nil {
+		return nil, err
+	}
+	defer st.CloseSend()
+	nonce, err := rpc.StreamNonce(st.Context())
+	if err != nil {
+		return nil, err
+	}
+	ev, err := c.cfg.Prover.Evidence(nonce, c.cfg.PCRs)
+	if err != nil {
+		return nil, fmt.Errorf("attesting: %w", err)
+	}
+	if err := st.Send(request(ev)); err != nil {
+		return nil, recvErr(st, err)
+	}
+	msg, err := rpc.Recv(ctx, st)
+	if err != nil {
+		return nil, err
+	}
+	ch := msg.GetChallenge()
+	if ch == nil {
+		return nil, errors.New("join service answered without an activation challenge")
+	}
+	secret, err := c.cfg.Prover.Activate(ch)
+	if err != nil {
+		return nil, err
+	}
+	if err := st.Send(&berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Proof{Proof: &berthv1.ActivationProof{Secret: secret}}}); err != nil {
+		return nil, recvErr(st, err)
+	}
+	return rpc.Recv(ctx, st)
+}
+
+// recvErr turns io.EOF from Send, which gRPC returns when the server already ended the stream, into the
+// server's status.
+func recvErr(st bidi, err error) error {
+	if _, rerr := st.Recv(); rerr != nil {
+		return rerr
+	}
+	return err
+}

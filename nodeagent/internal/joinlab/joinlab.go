@@ -1,0 +1,279 @@
+// Package joinlab stands up the join side of a Berth cluster on loopback for tests: the lab's metadata
+// service, a join service speaking gRPC over TLS 1.3 with a certificate from the join CA, and nodes that each
+// have their own swtpm (EK certificate from a test CA), their own LUKS2 state-disk image and their own
+// loopback address (127.0.0.2, 127.0.0.3, …), so that the service tells them apart by address as it would in
+// a cloud. The Kubernetes API is client-go's fake clientset here; the real API server is the cluster lab's.
+package joinlab
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+// QuotedPCRs are the PCRs the lab's policy pins. A fresh swtpm starts with them all zero.
+var QuotedPCRs = []int{0, 4, 7, 9, 11}
+
+// Lab is one cluster's join side.
+type Lab struct {
+	t            testing.TB
+	EKCA         *tpmtest.CA
+	JoinCA       *pki.CA
+	KubeCA       *pki.CA
+	Master, Salt []byte
+	Policy       *policy.Store
+	Kube         *fake.Clientset
+	Meta         *metadata.Server
+	MetaURL      string
+	JoinAddr     string // host:port of the join service
+	Logs         *SafeBuffer
+	Service      *joinservice.Server
+
+	mu   sync.Mutex
+	doc  metadata.Document
+	next int
+}
+
+// New starts the metadata service and the join service. The service's own control-plane instance, "cp-0",
+// has 127.0.0.1.
+func New(t testing.TB) *Lab {
+	t.Helper()
+	now := time.Now()
+	l := &Lab{t: t, EKCA: tpmtest.NewCA(t), Kube: fake.NewClientset(), Logs: &SafeBuffer{}, next: 2}
+	var err error
+	if l.JoinCA, err = pki.NewCA("berth-join-ca", now, 10*365*24*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	if l.KubeCA, err = pki.NewCA("kubernetes", now, 10*365*24*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	if l.Master, err = keys.NewSecret(); err != nil {
+		t.Fatal(err)
+	}
+	if l.Salt, err = keys.NewSecret(); err != nil {
+		t.Fatal(err)
+	}
+	l.Policy = policy.NewStore(ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker))
+
+	joinLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.JoinAddr = joinLis.Addr().String()
+	_, portStr, _ := net.SplitHostPort(l.JoinAddr)
+	port, _ := strconv.Atoi(portStr)
+	l.doc = metadata.Document{
+		UserData: metadata.UserData{ClusterName: "lab", JoinPort: uint16(port), JoinCAPin: pki.SPKIPin(l.JoinCA.Cert)},
+		Instances: []metadata.Instance{{Name: "cp-0", Role: metadata.RoleControlPlane,
+			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
+	}
+	l.Meta = metadata.NewServer(l.document(), slog.New(slog.DiscardHandler))
+	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.MetaURL = "http://" + metaLis.Addr().String()
+	hs := &http.Server{Handler: l.Meta, ReadHeaderTimeout: 5 * time.Second}
+	go hs.Serve(metaLis)
+	t.Cleanup(func() { hs.Close() })
+
+	l.Service, err = joinservice.New(joinservice.Config{
+		Verifier:          attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
+		Policy:            l.Policy,
+		Instances:         &metadata.Client{BaseURL: l.MetaURL},
+		Tokens:            &joinservice.KubeTokens{Client: l.Kube},
+		Disks:             &joinservice.KubeDisks{Client: l.Kube},
+		MasterSecret:      l.Master,
+		Salt:              l.Salt,
+		KubernetesCA:      l.KubeCA,
+		APIServerEndpoint: "127.0.0.1:6443",
+		KubernetesVersion: "v1.36.3",
+		ControlPlaneFiles: func() ([]*berthv1.File, error) {
+			return []*berthv1.File{{Path: "ca.key", Content: []byte("lab CA key"), Mode: 0o600}}, nil
+		},
+		Timeout: 20 * time.Second,
+		Logger:  slog.New(slog.NewTextHandler(l.Logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert := l.ServerCert(l.JoinCA)
+	srv := grpc.NewServer(rpc.ServerOptions(cert)...)
+	berthv1.RegisterJoinServiceServer(srv, l.Service)
+	go srv.Serve(joinLis)
+	t.Cleanup(srv.Stop)
+	return l
+}
+
+// ServerCert issues a join-service certificate for 127.0.0.1 from ca, chain included.
+func (l *Lab) ServerCert(ca *pki.CA) tls.Certificate {
+	key, err := pki.NewKey()
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	leaf, err := ca.IssueServer(key.Public(), nil, []net.IP{net.IPv4(127, 0, 0, 1)}, time.Now(), time.Hour)
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{leaf.Raw, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}
+}
+
+// ZeroPolicy allows the measurements of a fresh swtpm for roles.
+func ZeroPolicy(name string, roles ...metadata.Role) *policy.Policy {
+	pcrs := map[int][]byte{}
+	for _, i := range QuotedPCRs {
+		pcrs[i] = make([]byte, 32)
+	}
+	return &policy.Policy{Images: []policy.Image{{Name: name, Roles: roles, PCRs: pcrs}}}
+}
+
+func (l *Lab) document() *metadata.Document {
+	d := l.doc
+	d.Instances = append([]metadata.Instance(nil), l.doc.Instances...)
+	return &d
+}
+
+// Node is one lab machine.
+type Node struct {
+	Name   string
+	Role   metadata.Role
+	Addr   netip.Addr
+	TPM    *tpmtest.TPM
+	Prover *attest.Prover
+	Volume *luks.Volume
+	Disk   *statedisk.Disk
+	Paths  nodestate.Paths
+}
+
+// AddNode makes a machine with the next loopback address and records its instance.
+func (l *Lab) AddNode(name string, role metadata.Role) *Node {
+	l.t.Helper()
+	l.mu.Lock()
+	addr := netip.AddrFrom4([4]byte{127, 0, 0, byte(l.next)})
+	l.next++
+	l.doc.Instances = append(l.doc.Instances, metadata.Instance{Name: name, Role: role, Addresses: []netip.Addr{addr}})
+	l.Meta.Replace(l.document())
+	l.mu.Unlock()
+
+	n := &Node{Name: name, Role: role, Addr: addr, TPM: l.EKCA.NewTPM(l.t)}
+	tpm, err := attest.OpenTPM(n.TPM.Device())
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	if n.Prover, err = attest.NewProver(tpm); err != nil {
+		l.t.Fatal(err)
+	}
+	l.t.Cleanup(func() { n.Prover.Close() })
+	dir := l.t.TempDir()
+	img := filepath.Join(dir, "state.img")
+	if err := CreateSparse(img, 32<<20); err != nil {
+		l.t.Fatal(err)
+	}
+	n.Volume = luks.New(img, slog.New(slog.DiscardHandler))
+	n.Disk = statedisk.New(n.Volume, slog.New(slog.DiscardHandler))
+	n.Paths = nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "etc-kubernetes"),
+		KubeletDir: filepath.Join(dir, "var-lib-kubelet")}
+	return n
+}
+
+// Metadata is the node's metadata client, dialing from the node's own address.
+func (l *Lab) Metadata(n *Node) *metadata.Client {
+	return &metadata.Client{BaseURL: l.MetaURL, LocalAddr: n.Addr}
+}
+
+// DiskKey is the key the join service derives for a disk.
+func (l *Lab) DiskKey(uuid string) []byte {
+	label, err := keys.DiskLabel(uuid)
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	k, err := keys.Derive(l.Master, l.Salt, label, 32)
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	return k
+}
+
+// CreateSparse makes an empty sparse file of size bytes.
+func CreateSparse(path string, size int64) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	return errors.Join(f.Truncate(size), f.Close())
+}
+
+// Kubeadm records the joins it is asked to run; the real kubeadm runs in the cluster lab.
+type Kubeadm struct {
+	mu    sync.Mutex
+	Joins []string // contents of the configuration files
+}
+
+// Init is not used by join clients.
+func (k *Kubeadm) Init(ctx context.Context, configPath string, progress func(string)) error {
+	return errors.New("kubeadm init is not expected here")
+}
+
+// Join records the configuration it was given.
+func (k *Kubeadm) Join(ctx context.Context, configPath string, progress func(string)) error {
+	data, err := os.ReadFile(configPath)
+	if err != nil {
+		return err
+	}
+	progress("[preflight] Running pre-flight checks")
+	k.mu.Lock()
+	k.Joins = append(k.Joins, string(data))
+	k.mu.Unlock()
+	return nil
+}
+
+// SafeBuffer is a log sink tests can read while servers write to it.
+type SafeBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *SafeBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *SafeBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Logf is the test's view of what a component logged, for failure messages.
+func (s *SafeBuffer) Logf(format string, args ...any) string {
+	return fmt.Sprintf(format, args...) + "\n--- join service log ---\n" + s.String()
+}

@@ -1,0 +1,132 @@
+package joinservice
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
+	bootstraputil "k8s.io/cluster-bootstrap/token/util"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+)
+
+// Namespace holds the objects the join service writes: where kubeadm keeps its bootstrap tokens.
+const Namespace = metav1.NamespaceSystem
+
+// nodeBootstrapGroup is kubeadm's group for joining nodes; its RBAC lets them create CSRs and read cluster-info.
+const nodeBootstrapGroup = "system:bootstrappers:kubeadm:default-node-token"
+
+// KubeTokens issues kubeadm bootstrap tokens as Secrets, the way `kubeadm token create` does.
+type KubeTokens struct {
+	Client kubernetes.Interface
+	Clock  func() time.Time
+}
+
+// Issue creates a token that expires after ttl; the token controller deletes it then.
+func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration) (string, time.Time, error) {
+	token, err := bootstraputil.GenerateBootstrapToken()
+	if err != nil {
+		return "", time.Time{}, err
+	}
+	id, secret, _ := strings.Cut(token, ".")
+	now := time.Now
+	if k.Clock != nil {
+		now = k.Clock
+	}
+	expires := now().Add(ttl).UTC().Truncate(time.Second)
+	s := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: bootstraputil.BootstrapTokenSecretName(id), Namespace: Namespace},
+		Type:       bootstrapapi.SecretTypeBootstrapToken,
+		StringData: map[string]string{
+			bootstrapapi.BootstrapTokenIDKey:               id,
+			bootstrapapi.BootstrapTokenSecretKey:           secret,
+			bootstrapapi.BootstrapTokenDescriptionKey:      "issued by the Berth join service with a join ticket",
+			bootstrapapi.BootstrapTokenExpirationKey:       expires.Format(time.RFC3339),
+			bootstrapapi.BootstrapTokenUsageAuthentication: "true",
+			bootstrapapi.BootstrapTokenUsageSigningKey:     "true",
+			bootstrapapi.BootstrapTokenExtraGroupsKey:      nodeBootstrapGroup,
+		},
+	}
+	if _, err := k.Client.CoreV1().Secrets(Namespace).Create(ctx, s, metav1.CreateOptions{}); err != nil {
+		return "", time.Time{}, fmt.Errorf("creating bootstrap token secret: %w", err)
+	}
+	return token, expires, nil
+}
+
+// KubeDisks records disk owners as one ConfigMap per disk. Create is atomic in the API server, so two
+// TPMs racing for one disk cannot both win.
+type KubeDisks struct {
+	Client kubernetes.Interface
+}
+
+const diskOwnerKey = "ek-sha256"
+
+func diskObjectName(disk string) string { return "berth-disk-" + disk }
+
+// Claim implements DiskRegistry.
+func (k *KubeDisks) Claim(ctx context.Context, disk, ek string) error {
+	cm := &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: diskObjectName(disk), Namespace: Namespace,
+			Labels: map[string]string{"app.kubernetes.io/managed-by": "berth"},
+		},
+		Data: map[string]string{diskOwnerKey: ek},
+	}
+	_, err := k.Client.CoreV1().ConfigMaps(Namespace).Create(ctx, cm, metav1.CreateOptions{})
+	if !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	owner, err := k.Owner(ctx, disk)
+	if err != nil {
+		return err
+	}
+	if owner != ek {
+		return ErrDiskOwnedByOther
+	}
+	return nil
+}
+
+// Owner implements DiskRegistry.
+func (k *KubeDisks) Owner(ctx context.Context, disk string) (string, error) {
+	cm, err := k.Client.CoreV1().ConfigMaps(Namespace).Get(ctx, diskObjectName(disk), metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return "", ErrDiskUnknown
+	}
+	if err != nil {
+		return "", err
+	}
+	return cm.Data[diskOwnerKey], nil
+}
+
+// controlPlaneFiles are what kubeadm join --control-plane expects to find already in place: the CAs
+// shared by all control-plane nodes and the service-account key pair.
+var controlPlaneFiles = []string{
+	"ca.crt", "ca.key", "sa.key", "sa.pub", "front-proxy-ca.crt", "front-proxy-ca.key", "etcd/ca.crt", "etcd/ca.key",
+}
+
+// PKIFiles reads the control-plane files from a kubeadm certificates directory.
+func PKIFiles(dir string) func() ([]*berthv1.File, error) {
+	return func() ([]*berthv1.File, error) {
+		files := make([]*berthv1.File, 0, len(controlPlaneFiles))
+		for _, name := range controlPlaneFiles {
+			content, err := os.ReadFile(filepath.Join(dir, name))
+			if err != nil {
+				return nil, err
+			}
+			mode := uint32(0o644)
+			if strings.HasSuffix(name, ".key") {
+				mode = 0o600
+			}
+			files = append(files, &berthv1.File{Path: name, Content: content, Mode: mode})
+		}
+		return files, nil
+	}
+}

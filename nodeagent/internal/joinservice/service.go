@@ -1,0 +1,371 @@
+// Package joinservice issues join and rejoin tickets to nodes that prove, on the very connection they ask
+// on, that they run an image the join policy allows for the role their instance record gives them.
+//
+// Nothing is taken from the request on trust: the node's name, addresses and role come from the instance
+// record looked up by the connecting address; its measurements come from a TPM quote bound to the TLS
+// exporter of the connection; its TPM is proven by credential activation against a certified EK. Each
+// attestation runs on its own goroutine with no lock shared between them.
+package joinservice
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc"
+)
+
+// InstanceLookup finds the instance record of a connecting address, from a source the node cannot write
+// (the cloud's API, or the lab's metadata service).
+type InstanceLookup interface {
+	InstanceByAddress(ctx context.Context, addr netip.Addr) (*metadata.Instance, error)
+}
+
+// TokenIssuer creates short-lived kubeadm bootstrap tokens.
+type TokenIssuer interface {
+	Issue(ctx context.Context, ttl time.Duration) (token string, expires time.Time, err error)
+}
+
+// DiskRegistry remembers which TPM first received each disk's key.
+type DiskRegistry interface {
+	// Claim records ek as the owner of disk, or succeeds if ek owns it already; ErrDiskOwnedByOther otherwise.
+	Claim(ctx context.Context, disk, ek string) error
+	// Owner is the TPM that first received disk's key; ErrDiskUnknown if none did.
+	Owner(ctx context.Context, disk string) (string, error)
+}
+
+// Errors of a DiskRegistry.
+var (
+	ErrDiskOwnedByOther = errors.New("disk is keyed to another TPM")
+	ErrDiskUnknown      = errors.New("disk never joined")
+)
+
+// PolicySource hands out the current join policy.
+type PolicySource interface {
+	Load() *policy.Policy
+}
+
+// Config is everything a Server needs; all fields but Clock, Logger, TokenTTL, Timeout and
+// ControlPlaneFiles are required.
+type Config struct {
+	Verifier  *attest.Verifier
+	Policy    PolicySource
+	Instances InstanceLookup
+	Tokens    TokenIssuer
+	Disks     DiskRegistry
+
+	// MasterSecret and Salt are the roots of every derived key.
+	MasterSecret, Salt []byte
+	// KubernetesCA signs kubelet client certificates.
+	KubernetesCA      *pki.CA
+	APIServerEndpoint string
+	KubernetesVersion string
+	// ControlPlaneFiles returns the files a joining control-plane node needs (CA and service-account keys).
+	ControlPlaneFiles func() ([]*berthv1.File, error)
+
+	// TokenTTL is the bootstrap token's lifetime: minutes, since it is issued with the ticket.
+	TokenTTL time.Duration
+	// Timeout bounds one whole exchange, slow TPMs included.
+	Timeout time.Duration
+	Clock   func() time.Time
+	Logger  *slog.Logger
+}
+
+// Server implements berthv1.JoinServiceServer.
+type Server struct {
+	berthv1.UnimplementedJoinServiceServer
+	cfg       Config
+	clusterID string
+	caPins    []string
+}
+
+// New checks cfg and derives what every ticket shares.
+func New(cfg Config) (*Server, error) {
+	switch {
+	case cfg.Verifier == nil, cfg.Policy == nil, cfg.Instances == nil, cfg.Tokens == nil, cfg.Disks == nil:
+		return nil, errors.New("join service: verifier, policy, instances, tokens and disks are required")
+	case cfg.KubernetesCA == nil:
+		return nil, errors.New("join service: Kubernetes CA is required")
+	case cfg.APIServerEndpoint == "":
+		return nil, errors.New("join service: API server endpoint is required")
+	}
+	if cfg.TokenTTL == 0 {
+		cfg.TokenTTL = 10 * time.Minute
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 30 * time.Second
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	id, err := ClusterID(cfg.MasterSecret, cfg.Salt)
+	if err != nil {
+		return nil, fmt.Errorf("join service: %w", err)
+	}
+	return &Server{cfg: cfg, clusterID: id, caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}}, nil
+}
+
+// ClusterID names the cluster of a master secret without revealing anything about it.
+func ClusterID(master, salt []byte) (string, error) {
+	id, err := keys.Derive(master, salt, keys.ClusterID, 16)
+	if err != nil {
+		return "", fmt.Errorf("deriving cluster ID: %w", err)
+	}
+	return fmt.Sprintf("%x", id), nil
+}
+
+// exchange is what one attested request established.
+type exchange struct {
+	instance *metadata.Instance
+	image    string
+	ek       string
+	disk     keys.Label
+	diskUUID string
+	log      *slog.Logger
+}
+
+type stream = berthv1.JoinService_IssueJoinTicketServer
+
+// IssueJoinTicket attests a new node and hands it everything to join.
+func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) error {
+	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
+	defer cancel()
+	var csr *x509.CertificateRequest
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+		req := m.GetJoin()
+		if req == nil {
+			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a join request")
+		}
+		var err error
+		if csr, err = parseCSR(req.KubeletCsr); err != nil {
+			return nil, "", "", status.Error(codes.InvalidArgument, err.Error())
+		}
+		return req.Evidence, req.DiskUuid, req.Role, nil
+	})
+	if err != nil {
+		return err
+	}
+	if err := checkCSR(csr, ex.instance); err != nil {
+		return s.refuse(ex.log, codes.PermissionDenied, "kubelet CSR refused", err)
+	}
+	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek); {
+	case errors.Is(err, ErrDiskOwnedByOther):
+		return s.refuse(ex.log, codes.PermissionDenied, "disk refused", err)
+	case err != nil:
+		return s.fail(ex.log, "recording disk owner", err)
+	}
+	ticket, err := s.joinTicket(ctx, ex, csr)
+	if err != nil {
+		return s.fail(ex.log, "issuing join ticket", err)
+	}
+	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_JoinTicket{JoinTicket: ticket}}); err != nil {
+		return err
+	}
+	ex.log.Info("join ticket issued", "control_plane_files", len(ticket.ControlPlaneFiles),
+		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+	return nil
+}
+
+// IssueRejoinTicket gives a node that joined before the key to its state disk, if the disk was first keyed
+// to the TPM that asks.
+func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServer) error {
+	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
+	defer cancel()
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+		req := m.GetRejoin()
+		if req == nil {
+			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a rejoin request")
+		}
+		return req.Evidence, req.DiskUuid, "", nil
+	})
+	if err != nil {
+		return err
+	}
+	owner, err := s.cfg.Disks.Owner(ctx, ex.diskUUID)
+	switch {
+	case errors.Is(err, ErrDiskUnknown):
+		return s.refuse(ex.log, codes.FailedPrecondition, "rejoin refused", err)
+	case err != nil:
+		return s.fail(ex.log, "looking up disk owner", err)
+	case owner != ex.ek:
+		return s.refuse(ex.log, codes.PermissionDenied, "rejoin refused", ErrDiskOwnedByOther)
+	}
+	diskKey, measurement, err := s.nodeKeys(ex.disk)
+	if err != nil {
+		return s.fail(ex.log, "deriving keys", err)
+	}
+	ticket := &berthv1.RejoinTicket{ClusterId: s.clusterID, DiskKey: diskKey, MeasurementSecret: measurement}
+	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_RejoinTicket{RejoinTicket: ticket}}); err != nil {
+		return err
+	}
+	ex.log.Info("rejoin ticket issued")
+	return nil
+}
+
+// attest runs the part both calls share: read the request, find the instance, verify the evidence for
+// this connection, challenge the attestation key, and check the policy for the instance's role.
+func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (ev *berthv1.Evidence, diskUUID, role string, err error)) (*exchange, error) {
+	log := s.cfg.Logger
+	addr, err := rpc.PeerAddr(ctx)
+	if err != nil {
+		return nil, s.fail(log, "reading peer address", err)
+	}
+	log = log.With("peer", addr.String())
+	nonce, err := rpc.StreamNonce(ctx)
+	if err != nil {
+		return nil, s.refuse(log, codes.FailedPrecondition, "connection refused", err)
+	}
+	msg, err := rpc.Recv(ctx, st)
+	if err != nil {
+		return nil, s.streamErr(log, "receiving request", err)
+	}
+	ev, diskUUID, role, err := first(msg)
+	if err != nil {
+		log.Warn("request refused", "reason", err)
+		return nil, err
+	}
+	disk, err := keys.DiskLabel(diskUUID)
+	if err != nil {
+		return nil, s.refuse(log, codes.InvalidArgument, "disk id refused", err)
+	}
+	inst, err := s.cfg.Instances.InstanceByAddress(ctx, addr)
+	switch {
+	case errors.Is(err, metadata.ErrNotFound):
+		return nil, s.refuse(log, codes.PermissionDenied, "no instance record for this address", err)
+	case err != nil:
+		return nil, s.fail(log, "looking up instance record", err)
+	}
+	log = log.With("node", inst.Name, "role", string(inst.Role))
+	if role != "" && metadata.Role(role) != inst.Role {
+		return nil, s.refuse(log, codes.PermissionDenied, "role refused",
+			fmt.Errorf("node asked as %q but its instance record says %q", role, inst.Role))
+	}
+
+	pending, err := s.cfg.Verifier.Verify(ev, nonce)
+	if err != nil {
+		return nil, s.attestErr(log, err)
+	}
+	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_Challenge{Challenge: pending.Challenge}}); err != nil {
+		return nil, err
+	}
+	msg, err = rpc.Recv(ctx, st)
+	if err != nil {
+		return nil, s.streamErr(log, "receiving activation proof", err)
+	}
+	result, err := pending.Complete(msg.GetProof())
+	if err != nil {
+		return nil, s.attestErr(log, err)
+	}
+	log = log.With("ek", result.EKFingerprint[:16])
+	image, err := s.cfg.Policy.Load().Check(inst.Role, result.PCRs, s.cfg.Clock())
+	if err != nil {
+		return nil, s.refuse(log, codes.PermissionDenied, "measurements refused", err)
+	}
+	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: diskUUID,
+		log: log.With("image", image, "disk", diskUUID)}, nil
+}
+
+func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.CertificateRequest) (*berthv1.JoinTicket, error) {
+	diskKey, measurement, err := s.nodeKeys(ex.disk)
+	if err != nil {
+		return nil, err
+	}
+	now := s.cfg.Clock()
+	cert, err := s.cfg.KubernetesCA.IssueClient(pki.ClientTemplate{
+		CommonName:   nodeUserPrefix + ex.instance.Name,
+		Organization: []string{nodesGroup},
+		IPAddresses:  ipsOf(ex.instance.Addresses),
+	}, csr.PublicKey, now, min(kubeletCertValidity, s.cfg.KubernetesCA.Cert.NotAfter.Sub(now)))
+	if err != nil {
+		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
+	}
+	var files []*berthv1.File
+	if ex.instance.Role == metadata.RoleControlPlane && s.cfg.ControlPlaneFiles != nil {
+		if files, err = s.cfg.ControlPlaneFiles(); err != nil {
+			return nil, fmt.Errorf("reading control-plane files: %w", err)
+		}
+	}
+	// The token is made last so that no failure above leaves one behind unused.
+	token, expires, err := s.cfg.Tokens.Issue(ctx, s.cfg.TokenTTL)
+	if err != nil {
+		return nil, fmt.Errorf("creating bootstrap token: %w", err)
+	}
+	return &berthv1.JoinTicket{
+		NodeName:                  ex.instance.Name,
+		ClusterId:                 s.clusterID,
+		DiskKey:                   diskKey,
+		MeasurementSecret:         measurement,
+		ApiServerEndpoint:         s.cfg.APIServerEndpoint,
+		BootstrapToken:            token,
+		BootstrapTokenExpiresUnix: expires.Unix(),
+		DiscoveryCaCertHashes:     s.caPins,
+		KubeletCertificate:        cert.Raw,
+		KubernetesCaCertificate:   s.cfg.KubernetesCA.Cert.Raw,
+		KubernetesVersion:         s.cfg.KubernetesVersion,
+		ControlPlaneFiles:         files,
+	}, nil
+}
+
+func (s *Server) nodeKeys(disk keys.Label) (diskKey, measurement []byte, err error) {
+	if diskKey, err = keys.Derive(s.cfg.MasterSecret, s.cfg.Salt, disk, 32); err != nil {
+		return nil, nil, err
+	}
+	if measurement, err = keys.Derive(s.cfg.MasterSecret, s.cfg.Salt, keys.MeasurementSecret, 32); err != nil {
+		return nil, nil, err
+	}
+	return diskKey, measurement, nil
+}
+
+// refuse tells the operator the whole reason and the node what it may know: the summary and the reason,
+// which never contains a secret (measurements, names and addresses are not secret).
+func (s *Server) refuse(log *slog.Logger, code codes.Code, summary string, reason error) error {
+	log.Warn(summary, "code", code.String(), "reason", reason)
+	return status.Errorf(code, "%s: %v", summary, reason)
+}
+
+// fail is an error of the service itself: the node learns only that it may retry.
+func (s *Server) fail(log *slog.Logger, what string, err error) error {
+	log.Error(what, "error", err)
+	return status.Errorf(codes.Unavailable, "join service failed %s; retry later", what)
+}
+
+func (s *Server) attestErr(log *slog.Logger, err error) error {
+	if errors.Is(err, attest.ErrMalformed) {
+		return s.refuse(log, codes.InvalidArgument, "attestation refused", err)
+	}
+	return s.refuse(log, codes.Unauthenticated, "attestation refused", err)
+}
+
+func (s *Server) streamErr(log *slog.Logger, what string, err error) error {
+	if st, ok := status.FromError(err); ok && st.Code() != codes.Unknown {
+		log.Warn(what, "code", st.Code().String(), "error", err)
+		return err
+	}
+	log.Warn(what, "error", err)
+	return status.Errorf(codes.Canceled, "%s: stream ended", what)
+}
+
+func ipsOf(addrs []netip.Addr) []net.IP {
+	ips := make([]net.IP, len(addrs))
+	for i, a := range addrs {
+		ips[i] = a.AsSlice()
+	}
+	return ips
+}
