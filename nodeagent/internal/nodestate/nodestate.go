@@ -125,3 +125,41 @@ func WriteFile(path string, data []byte, mode os.FileMode) error {
 	}
 	return nil
 }
+
+// ClusterSecrets is what a control-plane node keeps to serve the join service. It lives only on the
+// encrypted state disk, readable by root only.
+type ClusterSecrets struct {
+	MasterSecret      []byte `json:"masterSecret"`
+	Salt              []byte `json:"salt"`
+	JoinCACert        []byte `json:"joinCACert"` // PEM
+	JoinCAKey         []byte `json:"joinCAKey"`  // PEM PKCS#8
+	APIServerEndpoint string `json:"apiServerEndpoint"`
+	KubernetesVersion string `json:"kubernetesVersion"`
+}
+
+const secretsFile = "cluster-secrets.json"
+
+// WriteSecrets stores s in dir.
+func WriteSecrets(dir string, s *ClusterSecrets) error {
+	data, err := json.Marshal(s)
+	if err != nil {
+		return err
+	}
+	return WriteFile(filepath.Join(dir, secretsFile), data, 0o600)
+}
+
+// ReadSecrets loads what WriteSecrets stored; ErrNoState if nothing was.
+func ReadSecrets(dir string) (*ClusterSecrets, error) {
+	data, err := os.ReadFile(filepath.Join(dir, secretsFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, ErrNoState
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading cluster secrets: %w", err)
+	}
+	var s ClusterSecrets
+	if err := json.Unmarshal(data, &s); err != nil {
+		return nil, fmt.Errorf("parsing cluster secrets: %w", err)
+	}
+	return &s, nil
+}

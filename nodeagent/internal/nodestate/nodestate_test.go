@@ -63,3 +63,26 @@ func TestStateRoundTrip(t *testing.T) {
 		t.Fatalf("torn state file: %v", err)
 	}
 }
+
+func TestSecretsRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := ReadSecrets(dir); !errors.Is(err, ErrNoState) {
+		t.Fatalf("ReadSecrets of nothing: %v", err)
+	}
+	want := &ClusterSecrets{MasterSecret: []byte{1, 2}, Salt: []byte{3}, JoinCACert: []byte("c"), JoinCAKey: []byte("k"),
+		APIServerEndpoint: "10.0.0.1:6443", KubernetesVersion: "v1.36.3"}
+	if err := WriteSecrets(dir, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ReadSecrets(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(got.MasterSecret) != string(want.MasterSecret) || got.APIServerEndpoint != want.APIServerEndpoint || string(got.JoinCAKey) != "k" {
+		t.Fatalf("got %+v", got)
+	}
+	fi, err := os.Stat(filepath.Join(dir, secretsFile))
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("secrets file mode %v, %v", fi.Mode(), err)
+	}
+}
