@@ -176,11 +176,23 @@ type Node struct {
 // AddNode makes a machine with the next loopback address and records its instance.
 func (l *Lab) AddNode(name string, role metadata.Role) *Node {
 	l.t.Helper()
+	return l.addNode(name, role, true)
+}
+
+// AddUnlistedNode makes a machine that has no instance record: a stranger to the cluster.
+func (l *Lab) AddUnlistedNode(name string) *Node {
+	l.t.Helper()
+	return l.addNode(name, metadata.RoleWorker, false)
+}
+
+func (l *Lab) addNode(name string, role metadata.Role, listed bool) *Node {
 	l.mu.Lock()
 	addr := netip.AddrFrom4([4]byte{127, 0, 0, byte(l.next)})
 	l.next++
-	l.doc.Instances = append(l.doc.Instances, metadata.Instance{Name: name, Role: role, Addresses: []netip.Addr{addr}})
-	l.Meta.Replace(l.document())
+	if listed {
+		l.doc.Instances = append(l.doc.Instances, metadata.Instance{Name: name, Role: role, Addresses: []netip.Addr{addr}})
+		l.Meta.Replace(l.document())
+	}
 	l.mu.Unlock()
 
 	n := &Node{Name: name, Role: role, Addr: addr, TPM: l.EKCA.NewTPM(l.t)}

@@ -1,0 +1,414 @@
+package joinlab
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
+	"encoding/hex"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]
+
+// attack is one request of a hostile or broken node; the zero value (with a node) is an honest join.
+type attack struct {
+	node   *Node
+	rejoin bool
+	disk   string
+	role   string
+	csr    []byte
+	// evidence replaces the honest evidence made for the stream's nonce.
+	evidence func(t *testing.T, nonce []byte) *berthv1.Evidence
+	// first replaces the whole first message.
+	first func(ev *berthv1.Evidence) *berthv1.JoinClientMessage
+	// proof answers the challenge instead of the node's TPM.
+	proof func(t *testing.T, c *berthv1.ActivationChallenge) []byte
+	tls   *tls.Config
+	// unboundedSend lifts the client's own send limit, so the server's limit is what refuses.
+	unboundedSend bool
+}
+
+// openStream dials the lab's join service from n's address and opens a join or rejoin stream.
+func openStream(t *testing.T, ctx context.Context, lab *Lab, n *Node, rejoin bool, tlsCfg *tls.Config, opts ...grpc.CallOption) (bidi, error) {
+	t.Helper()
+	if tlsCfg == nil {
+		var err error
+		if tlsCfg, err = rpc.PinnedTLS(pki.SPKIPin(lab.JoinCA.Cert), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn, err := grpc.NewClient(lab.JoinAddr, rpc.DialOptions(tlsCfg, n.Addr)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	client := berthv1.NewJoinServiceClient(conn)
+	if rejoin {
+		return client.IssueRejoinTicket(ctx, opts...)
+	}
+	return client.IssueJoinTicket(ctx, opts...)
+}
+
+// evidenceOn makes honest evidence of n for a stream.
+func evidenceOn(t *testing.T, n *Node, st bidi) *berthv1.Evidence {
+	t.Helper()
+	nonce, err := rpc.StreamNonce(st.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := n.Prover.Evidence(nonce, QuotedPCRs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ev
+}
+
+// run sends the attack and returns the service's final answer.
+func (a attack) run(t *testing.T, lab *Lab) (*berthv1.JoinServerMessage, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var opts []grpc.CallOption
+	if a.unboundedSend {
+		opts = append(opts, grpc.MaxCallSendMsgSize(4*rpc.MaxMessageSize))
+	}
+	st, err := openStream(t, ctx, lab, a.node, a.rejoin, a.tls, opts...)
+	if err != nil {
+		return nil, err
+	}
+	var ev *berthv1.Evidence
+	if a.evidence != nil {
+		nonce, err := rpc.StreamNonce(st.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ev = a.evidence(t, nonce)
+	} else {
+		ev = evidenceOn(t, a.node, st)
+	}
+	first := a.first
+	if first == nil {
+		disk := a.disk
+		if disk == "" {
+			disk = newUUID(t)
+		}
+		first = func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+			if a.rejoin {
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{Evidence: ev, DiskUuid: disk}}}
+			}
+			csr := a.csr
+			if csr == nil {
+				csr = honestCSR(t, a.node)
+			}
+			role := a.role
+			if role == "" {
+				role = string(a.node.Role)
+			}
+			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
+				Evidence: ev, DiskUuid: disk, KubeletCsr: csr, Role: role}}}
+		}
+	}
+	if err := st.Send(first(ev)); err != nil {
+		_, rerr := st.Recv()
+		return nil, rerr
+	}
+	msg, err := st.Recv()
+	if err != nil {
+		return nil, err
+	}
+	challenge := msg.GetChallenge()
+	if challenge == nil {
+		return msg, nil
+	}
+	var secret []byte
+	if a.proof != nil {
+		secret = a.proof(t, challenge)
+	} else if secret, err = a.node.Prover.Activate(challenge); err != nil {
+		t.Fatalf("honest TPM could not activate: %v", err)
+	}
+	if err := st.Send(&berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Proof{Proof: &berthv1.ActivationProof{Secret: secret}}}); err != nil {
+		_, rerr := st.Recv()
+		return nil, rerr
+	}
+	return st.Recv()
+}
+
+func newUUID(t *testing.T) string {
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b)
+	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+// honestCSR is the CSR an honest kubelet of n sends.
+func honestCSR(t *testing.T, n *Node) []byte {
+	return csrFor(t, "system:node:"+n.Name, []string{"system:nodes"}, []net.IP{n.Addr.AsSlice()}, nil)
+}
+
+func csrFor(t *testing.T, cn string, org []string, ips []net.IP, dns []string) []byte {
+	t.Helper()
+	key, err := pki.NewKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{
+		Subject: pkix.Name{CommonName: cn, Organization: org}, IPAddresses: ips, DNSNames: dns,
+	}, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return der
+}
+
+func withPCR(p *policy.Policy, idx int, value byte) *policy.Policy {
+	out := &policy.Policy{}
+	for _, img := range p.Images {
+		c := img
+		c.PCRs = map[int][]byte{}
+		for k, v := range img.PCRs {
+			c.PCRs[k] = v
+		}
+		c.PCRs[idx] = bytes.Repeat([]byte{value}, 32)
+		out.Images = append(out.Images, c)
+	}
+	return out
+}
+
+// TestMaliciousJoin sends the join service every kind of request a hostile or broken node could, and checks
+// that each is refused with its own status code and that no answer carries a secret.
+func TestMaliciousJoin(t *testing.T) {
+	lab := New(t)
+	worker := lab.AddNode("worker-1", metadata.RoleWorker)
+	other := lab.AddNode("worker-2", metadata.RoleWorker)
+	cp := lab.AddNode("cp-1", metadata.RoleControlPlane)
+	stranger := lab.AddUnlistedNode("stranger")
+	foreignCA := tpmtest.NewCA(t)
+	foreignTPM := lab.addForeignNode(t, foreignCA, "worker-foreign")
+
+	// A disk that worker-2 joined with for real: it belongs to worker-2's TPM from now on.
+	claimed := newUUID(t)
+	if msg, err := (attack{node: other, disk: claimed}).run(t, lab); err != nil || msg.GetJoinTicket() == nil {
+		t.Fatalf("honest join of worker-2: %v", err)
+	}
+
+	zero := ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker)
+	past := time.Now().Add(-time.Hour)
+	expired := ZeroPolicy("swtpm-zero-old", metadata.RoleControlPlane, metadata.RoleWorker)
+	expired.Images[0].Expires = &past
+	garbage := func(t *testing.T, _ *berthv1.ActivationChallenge) []byte { return bytes.Repeat([]byte{7}, 32) }
+	tls12, err := rpc.PinnedTLS(pki.SPKIPin(lab.JoinCA.Cert), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tls12.MinVersion, tls12.MaxVersion = tls.VersionTLS12, tls.VersionTLS12
+
+	cases := []struct {
+		name    string
+		attack  attack
+		policy  *policy.Policy
+		code    codes.Code
+		message string
+	}{
+		{name: "PCR differs from every allowed image", attack: attack{node: worker}, policy: withPCR(zero, 9, 0xab),
+			code: codes.PermissionDenied, message: "PCR 9"},
+		{name: "image not allowed for the role", attack: attack{node: worker},
+			policy: ZeroPolicy("cp-only", metadata.RoleControlPlane), code: codes.PermissionDenied, message: "worker"},
+		{name: "policy entry expired", attack: attack{node: worker}, policy: expired, code: codes.PermissionDenied, message: "expired"},
+		{name: "empty policy", attack: attack{node: worker}, policy: &policy.Policy{}, code: codes.PermissionDenied},
+		{name: "quote relayed from another connection", code: codes.Unauthenticated, message: "nonce",
+			attack: attack{node: worker, evidence: func(t *testing.T, _ []byte) *berthv1.Evidence {
+				// The evidence is made for a connection that is open at the same time, as a relaying party would.
+				ctx, cancel := context.WithCancel(context.Background())
+				t.Cleanup(cancel)
+				st, err := openStream(t, ctx, lab, worker, false, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return evidenceOn(t, worker, st)
+			}}},
+		{name: "stale quote replayed from a closed connection", code: codes.Unauthenticated, message: "nonce",
+			attack: attack{node: worker, evidence: func(t *testing.T, _ []byte) *berthv1.Evidence {
+				ctx, cancel := context.WithCancel(context.Background())
+				st, err := openStream(t, ctx, lab, worker, false, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ev := evidenceOn(t, worker, st)
+				cancel()
+				return ev
+			}}},
+		{name: "attestation key not in the EK's TPM", code: codes.Unauthenticated, message: "credential activation",
+			attack: attack{node: worker, evidence: func(t *testing.T, nonce []byte) *berthv1.Evidence {
+				ev, err := worker.Prover.Evidence(nonce, QuotedPCRs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				donor, err := other.Prover.Evidence(nonce, QuotedPCRs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ev.EkCertificate = donor.EkCertificate
+				return ev
+			}, proof: func(t *testing.T, c *berthv1.ActivationChallenge) []byte {
+				// Neither TPM holds both keys: whatever either recovers is not the secret.
+				if s, err := worker.Prover.Activate(c); err == nil {
+					return s
+				}
+				if s, err := other.Prover.Activate(c); err == nil {
+					return s
+				}
+				return bytes.Repeat([]byte{1}, 32)
+			}}},
+		{name: "wrong activation proof", attack: attack{node: worker, proof: garbage}, code: codes.Unauthenticated, message: "credential activation"},
+		{name: "EK certificate from an unknown CA", attack: attack{node: foreignTPM}, code: codes.Unauthenticated, message: "EK root"},
+		{name: "quote signature forged", code: codes.Unauthenticated, message: "quote",
+			attack: attack{node: worker, evidence: func(t *testing.T, nonce []byte) *berthv1.Evidence {
+				ev, err := worker.Prover.Evidence(nonce, QuotedPCRs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ev.QuoteSignature = bytes.Clone(ev.QuoteSignature)
+				ev.QuoteSignature[len(ev.QuoteSignature)-1] ^= 1
+				return ev
+			}}},
+		{name: "no instance record for the address", attack: attack{node: stranger}, code: codes.PermissionDenied, message: "no instance record"},
+		{name: "CSR for another node's name", code: codes.PermissionDenied, message: "CN",
+			attack: attack{node: worker, csr: csrFor(t, "system:node:worker-2", []string{"system:nodes"}, []net.IP{worker.Addr.AsSlice()}, nil)}},
+		{name: "CSR with an extra DNS SAN", code: codes.PermissionDenied, message: "DNS",
+			attack: attack{node: worker, csr: csrFor(t, "system:node:worker-1", []string{"system:nodes"}, []net.IP{worker.Addr.AsSlice()}, []string{"kubernetes.default"})}},
+		{name: "CSR with an extra IP SAN", code: codes.PermissionDenied, message: "IP SANs",
+			attack: attack{node: worker, csr: csrFor(t, "system:node:worker-1", []string{"system:nodes"}, []net.IP{worker.Addr.AsSlice(), net.IPv4(10, 0, 0, 1)}, nil)}},
+		{name: "CSR asking for system:masters", code: codes.PermissionDenied, message: "system:masters",
+			attack: attack{node: worker, csr: csrFor(t, "system:node:worker-1", []string{"system:nodes", "system:masters"}, []net.IP{worker.Addr.AsSlice()}, nil)}},
+		{name: "CSR that does not parse", attack: attack{node: worker, csr: []byte("not a CSR")}, code: codes.InvalidArgument, message: "CSR"},
+		{name: "worker asking for control-plane material", attack: attack{node: worker, role: "control-plane"},
+			code: codes.PermissionDenied, message: "instance record says \"worker\""},
+		{name: "disk id that is not a UUID", attack: attack{node: worker, disk: "not-a-uuid"}, code: codes.InvalidArgument, message: "disk id"},
+		{name: "disk id aiming at another key label", attack: attack{node: worker, disk: "../measurement-secret"}, code: codes.InvalidArgument, message: "disk id"},
+		{name: "disk id in a non-canonical form", attack: attack{node: worker, disk: strings.ToUpper(newUUID(t))}, code: codes.InvalidArgument, message: "disk id"},
+		{name: "join with a disk keyed to another TPM", attack: attack{node: worker, disk: claimed}, code: codes.PermissionDenied, message: "another TPM"},
+		{name: "rejoin for a disk first keyed to another TPM", attack: attack{node: worker, rejoin: true, disk: claimed},
+			code: codes.PermissionDenied, message: "another TPM"},
+		{name: "rejoin for a disk that never joined", attack: attack{node: worker, rejoin: true}, code: codes.FailedPrecondition, message: "never joined"},
+		{name: "rejoin request on the join call", code: codes.InvalidArgument, message: "join request",
+			attack: attack{node: worker, first: func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{Evidence: ev, DiskUuid: claimed}}}
+			}}},
+		{name: "request without evidence", code: codes.InvalidArgument, message: "no evidence",
+			attack: attack{node: worker, first: func(*berthv1.Evidence) *berthv1.JoinClientMessage {
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
+					DiskUuid: newUUID(t), KubeletCsr: honestCSR(t, worker), Role: "worker"}}}
+			}}},
+		{name: "oversized message", code: codes.ResourceExhausted,
+			attack: attack{node: worker, csr: bytes.Repeat([]byte{0x30}, rpc.MaxMessageSize+1), unboundedSend: true}},
+		{name: "TLS 1.2 client", attack: attack{node: worker, tls: tls12}, code: codes.Unavailable, message: "protocol version"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.policy != nil {
+				lab.Policy.Set(tc.policy)
+				defer lab.Policy.Set(zero)
+			}
+			msg, err := tc.attack.run(t, lab)
+			if err == nil {
+				t.Fatalf("accepted: %v", msg)
+			}
+			st := status.Convert(err)
+			if st.Code() != tc.code || !strings.Contains(st.Message(), tc.message) {
+				t.Fatal(lab.Logs.Logf("refused with %s %q, want %s containing %q", st.Code(), st.Message(), tc.code, tc.message))
+			}
+			lab.assertNoSecret(t, st.Message())
+		})
+	}
+
+	t.Run("control-plane files go only to control-plane nodes", func(t *testing.T) {
+		msg, err := (attack{node: cp}).run(t, lab)
+		if err != nil || len(msg.GetJoinTicket().GetControlPlaneFiles()) == 0 {
+			t.Fatalf("control-plane join: files %v, err %v", msg.GetJoinTicket().GetControlPlaneFiles(), err)
+		}
+		msg, err = (attack{node: worker}).run(t, lab)
+		if err != nil || msg.GetJoinTicket() == nil || len(msg.GetJoinTicket().ControlPlaneFiles) != 0 {
+			t.Fatalf("worker join: %v, %v", msg, err)
+		}
+	})
+
+	t.Run("agent refuses a join service not signed by the pinned CA", func(t *testing.T) {
+		impostor := newImpostor(t, lab)
+		n := lab.AddNode("worker-3", metadata.RoleWorker)
+		logs := &SafeBuffer{}
+		client := joinclient.New(joinclient.Config{
+			Metadata: impostor.metadataFor(n), Prover: n.Prover, Disk: n.Disk, Lock: &nodestate.Lock{},
+			Kubeadm: &Kubeadm{}, Paths: n.Paths, LocalAddr: n.Addr,
+			Backoff: backoff.Policy{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+			Logger:  slog.New(slog.NewTextHandler(logs, nil)),
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_, err := client.Join(ctx, statedisk.Prepared{UUID: newUUID(t), Fresh: true, InitialKey: make([]byte, 32)})
+		if err == nil {
+			t.Fatal("joined an impostor")
+		}
+		if !strings.Contains(logs.String(), "not signed by the pinned join CA") {
+			t.Fatalf("the agent does not say why it refused the service: %v\n%s", err, logs.String())
+		}
+		if impostor.requests() != 0 {
+			t.Fatal("the agent sent a request to the impostor")
+		}
+	})
+}
+
+// assertNoSecret fails when text contains the master secret, the salt, the CA key or any derived disk key
+// in any encoding the service could have used.
+func (l *Lab) assertNoSecret(t *testing.T, text string) {
+	t.Helper()
+	secrets := [][]byte{l.Master, l.Salt}
+	if key, err := l.KubeCA.KeyPEM(); err == nil {
+		secrets = append(secrets, key)
+	}
+	for _, s := range secrets {
+		for _, enc := range []string{string(s), hex.EncodeToString(s), base64.StdEncoding.EncodeToString(s), base64.RawURLEncoding.EncodeToString(s)} {
+			if len(enc) > 0 && strings.Contains(text, enc) {
+				t.Fatalf("answer leaks a secret: %q", text)
+			}
+		}
+	}
+	if strings.Contains(text, "PRIVATE KEY") {
+		t.Fatalf("answer leaks a key: %q", text)
+	}
+}
+
+func (l *Lab) addForeignNode(t *testing.T, other *tpmtest.CA, name string) *Node {
+	t.Helper()
+	saved := l.EKCA
+	l.EKCA = other
+	defer func() { l.EKCA = saved }()
+	return l.AddNode(name, metadata.RoleWorker)
+}
+
