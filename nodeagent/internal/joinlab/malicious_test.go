@@ -411,4 +411,3 @@ func (l *Lab) addForeignNode(t *testing.T, other *tpmtest.CA, name string) *Node
 	defer func() { l.EKCA = saved }()
 	return l.AddNode(name, metadata.RoleWorker)
 }
-
