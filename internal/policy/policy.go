@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -95,7 +96,8 @@ func Parse(data []byte) (*Policy, error) {
 
 func (d imageDoc) image() (Image, error) {
 	img := Image{Name: d.Name, Roles: d.Roles, PCRs: make(map[int][]byte, len(d.PCRs))}
-	for key, value := range d.PCRs {
+	for _, key := range slices.Sorted(maps.Keys(d.PCRs)) {
+		value := d.PCRs[key]
 		idx, err := strconv.Atoi(key)
 		if err != nil || strconv.Itoa(idx) != key {
 			return Image{}, fmt.Errorf("PCR index %q is not a decimal number without sign or leading zeros", key)
@@ -174,7 +176,8 @@ func (img Image) validate() error {
 	if len(img.PCRs) == 0 {
 		return errors.New("pcrs is empty: an image without measurements would let anything join")
 	}
-	for idx, v := range img.PCRs {
+	for _, idx := range slices.Sorted(maps.Keys(img.PCRs)) {
+		v := img.PCRs[idx]
 		if idx < 0 || idx > MaxPCRIndex {
 			return fmt.Errorf("PCR index %d is outside 0..%d", idx, MaxPCRIndex)
 		}
