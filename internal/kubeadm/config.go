@@ -113,7 +113,7 @@ func InitConfig(p InitParams) ([]byte, error) {
 	if err := validateNodeName(p.NodeName); err != nil {
 		return nil, err
 	}
-	addr, err := nodeAddress("advertise address", p.AdvertiseAddress, false)
+	addr, err := nodeAddress("advertise address", p.AdvertiseAddress, allowLoopback)
 	if err != nil {
 		return nil, err
 	}
@@ -314,8 +314,8 @@ func validateNodeName(name string) error {
 	return nil
 }
 
-// allowLoopback lets join configurations name loopback addresses: the join protocol's tests run several
-// nodes on one host's 127.0.0.0/8 without root. Init never allows it, and real nodes never have one.
+// allowLoopback lets configurations name loopback addresses: the protocol's tests run several nodes on one
+// host's 127.0.0.0/8 without root. Real nodes never have one: their instance records hold routable addresses.
 const allowLoopback = true
 
 // nodeAddress accepts only addresses other nodes can reach: kubeadm would

@@ -273,7 +273,7 @@ func TestInitConfigRejects(t *testing.T) {
 		{"node name underscore", func(p *InitParams) { p.NodeName = "cp_0" }, "not a DNS-1123 subdomain"},
 		{"no advertise address", func(p *InitParams) { p.AdvertiseAddress = netip.Addr{} }, "advertise address is required"},
 		{"unspecified advertise address", func(p *InitParams) { p.AdvertiseAddress = netip.IPv4Unspecified() }, "0.0.0.0 is not a global unicast address"},
-		{"loopback advertise address", func(p *InitParams) { p.AdvertiseAddress = netip.MustParseAddr("127.0.0.1") }, "not a global unicast address"},
+		{"link-local advertise address", func(p *InitParams) { p.AdvertiseAddress = netip.MustParseAddr("169.254.1.1") }, "not a global unicast address"},
 		{"link-local advertise address", func(p *InitParams) { p.AdvertiseAddress = netip.MustParseAddr("fe80::1%eth0") }, "not a global unicast address"},
 		{"negative port", func(p *InitParams) { p.BindPort = -1 }, "bind port -1 is out of range"},
 		{"port too large", func(p *InitParams) { p.BindPort = 70000 }, "bind port 70000 is out of range"},

@@ -1,0 +1,108 @@
+// Command berth-agent runs on every Berth node at every boot: it unlocks or creates the encrypted state
+// disk, attests with the TPM, joins the cluster (or initializes it) and, on control-plane nodes, serves
+// the join service.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime"
+	"syscall"
+
+	"github.com/berthlabs/berth/nodeagent/internal/agent"
+)
+
+// Set at build time with -ldflags "-X main.version=…".
+var version = "dev"
+
+// kubernetesVersion is the Kubernetes release this build of the agent is tested with.
+const kubernetesVersion = "v1.36.3"
+
+const usage = `berth-agent: make this machine a Berth cluster node.
+
+Usage:
+  berth-agent boot        [--config FILE]   unlock or create the state disk, attest, join or init, then serve joins on control-plane nodes
+  berth-agent joinservice [--config FILE]   serve join tickets from this control-plane node's stored secrets
+  berth-agent status      [--config FILE] [--json]   what this node is and why
+  berth-agent version
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	cmd, args := args[0], args[1:]
+	fs := flag.NewFlagSet("berth-agent "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	configPath := fs.String("config", agent.DefaultConfigPath, "agent configuration file")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	asJSON := fs.Bool("json", false, "status: print JSON")
+	switch cmd {
+	case "version", "--version":
+		fmt.Fprintf(stdout, "berth-agent %s (Kubernetes %s, %s %s/%s)\n", version, kubernetesVersion, runtime.Version(), runtime.GOOS, runtime.GOARCH)
+		return 0
+	case "boot", "joinservice", "status":
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	default:
+		fmt.Fprintf(stderr, "berth-agent: unknown command %q\n\n%s", cmd, usage)
+		return 2
+	}
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
+		fmt.Fprintf(stderr, "berth-agent: --log-level: %v\n", err)
+		return 2
+	}
+	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	cfg, err := agent.LoadConfig(*configPath)
+	if err != nil {
+		logger.Error("configuration", "error", err)
+		return 1
+	}
+	a, err := agent.New(cfg, agent.RealDeps(cfg, logger))
+	if err != nil {
+		logger.Error("configuration", "error", err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	switch cmd {
+	case "status":
+		s := a.Status(ctx)
+		if *asJSON {
+			enc := json.NewEncoder(stdout)
+			enc.SetIndent("", "  ")
+			if err := enc.Encode(s); err != nil {
+				return 1
+			}
+			return 0
+		}
+		s.Print(stdout)
+		return 0
+	case "boot":
+		err = a.Boot(ctx)
+	case "joinservice":
+		err = a.ServeJoinService(ctx)
+	}
+	if err != nil && !errors.Is(err, context.Canceled) {
+		logger.Error(cmd+" failed", "error", err)
+		return 1
+	}
+	return 0
+}

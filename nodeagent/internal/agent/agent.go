@@ -1,0 +1,256 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"time"
+
+	"google.golang.org/grpc"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/kubeadm"
+	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/initserver"
+	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+// Prover is the TPM (attest.Prover).
+type Prover interface {
+	joinclient.Prover
+	Close() error
+}
+
+// Deps are the agent's ties to the machine.
+type Deps struct {
+	// OpenProver opens the TPM.
+	OpenProver func(device string) (Prover, error)
+	Kubeadm    kubeadm.Runner
+	// KubeClient connects the join service to the API server.
+	KubeClient func(kubeconfig string) (kubernetes.Interface, error)
+	Logger     *slog.Logger
+}
+
+// RealDeps are the dependencies of a real node.
+func RealDeps(cfg *Config, logger *slog.Logger) Deps {
+	return Deps{
+		OpenProver: func(device string) (Prover, error) {
+			tpm, err := attest.OpenTPM(device)
+			if err != nil {
+				return nil, err
+			}
+			p, err := attest.NewProver(tpm)
+			if err != nil {
+				tpm.Close()
+				return nil, err
+			}
+			return p, nil
+		},
+		Kubeadm: &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
+		KubeClient: func(kubeconfig string) (kubernetes.Interface, error) {
+			rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+			if err != nil {
+				return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
+			}
+			return kubernetes.NewForConfig(rc)
+		},
+		Logger: logger,
+	}
+}
+
+// Agent is one node's agent.
+type Agent struct {
+	cfg  *Config
+	deps Deps
+	log  *slog.Logger
+	meta *metadata.Client
+	disk *statedisk.Disk
+	vol  *luks.Volume
+}
+
+// New wires an agent.
+func New(cfg *Config, deps Deps) (*Agent, error) {
+	log := deps.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	var src netip.Addr
+	if cfg.SourceAddress != "" {
+		var err error
+		if src, err = netip.ParseAddr(cfg.SourceAddress); err != nil {
+			return nil, fmt.Errorf("sourceAddress: %w", err)
+		}
+	}
+	vol := luks.New(cfg.StateDisk, log)
+	return &Agent{
+		cfg: cfg, deps: deps, log: log, vol: vol,
+		meta: &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src},
+		disk: statedisk.New(vol, log),
+	}, nil
+}
+
+// unlockingDisk mounts the state volume as soon as its key is set, so that everything the join client and
+// the init server write next lands on the encrypted disk.
+type unlockingDisk struct{ a *Agent }
+
+func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
+	if err := u.a.disk.SetKey(ctx, initial, key); err != nil {
+		return err
+	}
+	if u.a.cfg.StateMount == "" {
+		return nil
+	}
+	return u.a.disk.Mount(ctx, key, u.a.cfg.MapperName, u.a.cfg.StateMount)
+}
+
+// Boot makes this node a cluster member (or a member again), then, on control-plane nodes, serves the join
+// service until ctx ends.
+func (a *Agent) Boot(ctx context.Context) error {
+	prover, err := a.deps.OpenProver(a.cfg.TPM)
+	if err != nil {
+		return fmt.Errorf("opening the TPM: %w", err)
+	}
+	defer prover.Close()
+	self, err := a.self(ctx)
+	if err != nil {
+		return err
+	}
+	log := a.log.With("node", self.Instance.Name, "role", string(self.Instance.Role))
+	prepared, err := a.disk.Prepare(ctx)
+	if err != nil {
+		return err
+	}
+	lock := &nodestate.Lock{}
+	jc := a.joinClient(prover, lock, log)
+	if !prepared.Fresh {
+		log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", prepared.UUID)
+		ticket, err := jc.Rejoin(ctx, prepared.UUID)
+		if err != nil {
+			return err
+		}
+		if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
+			return fmt.Errorf("unlocking the state disk: %w", err)
+		}
+		state, err := nodestate.Read(a.cfg.Paths.State)
+		if err != nil {
+			return fmt.Errorf("state disk unlocked but: %w", err)
+		}
+		log.Info("node rejoined", "cluster", state.ClusterID, "member_since", state.Since)
+	} else if err := a.firstBoot(ctx, log, self, prepared, prover, lock, jc); err != nil {
+		return err
+	}
+	if self.Instance.Role != metadata.RoleControlPlane {
+		return nil
+	}
+	return a.ServeJoinService(ctx)
+}
+
+// firstBoot runs the init server (on control-plane nodes that have an init secret) beside the join client;
+// whichever takes the node lock first makes the node a member, and the other stops.
+func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.Self, prepared statedisk.Prepared, prover Prover, lock *nodestate.Lock, jc *joinclient.Client) error {
+	var initDone <-chan struct{}
+	if self.Instance.Role == metadata.RoleControlPlane && self.UserData.InitSecretHash != "" {
+		srv, stop, err := a.startInitServer(prover, lock, self, prepared, log)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		initDone = srv.Done()
+	}
+	joined := make(chan error, 1)
+	go func() {
+		_, err := jc.Join(ctx, prepared)
+		joined <- err
+	}()
+	select {
+	case err := <-joined:
+		if !errors.Is(err, joinclient.ErrLockTaken) {
+			return err
+		}
+		select {
+		case <-initDone:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	case <-initDone:
+		jc.Stop()
+		<-joined
+		log.Info("initialized by the init server; join client stopped")
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
+	srv, err := initserver.New(initserver.Config{
+		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
+		Kubeadm: a.deps.Kubeadm, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	cert, err := initserver.ServerCredentials()
+	if err != nil {
+		return nil, nil, err
+	}
+	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	if err != nil {
+		return nil, nil, fmt.Errorf("init server: %w", err)
+	}
+	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	berthv1.RegisterInitServiceServer(gs, srv)
+	go gs.Serve(lis)
+	log.Info("init server listening", "address", lis.Addr().String())
+	return srv, func() { stopGracefully(gs, 30*time.Second) }, nil
+}
+
+func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger) *joinclient.Client {
+	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
+	return joinclient.New(joinclient.Config{
+		Metadata: a.meta, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
+		Paths: a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
+		Backoff: backoff.Policy{Max: a.cfg.RetryMax.Duration}, Logger: log.With("component", "join-client"),
+	})
+}
+
+func (a *Agent) self(ctx context.Context) (*metadata.Self, error) {
+	var self *metadata.Self
+	err := backoff.Retry(ctx, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, func(ctx context.Context) error {
+		var err error
+		self, err = a.meta.Self(ctx)
+		return err
+	}, func(attempt int, err error, next time.Duration) {
+		a.log.Warn("reading own metadata", "attempt", attempt, "error", err, "retry_in", next)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading own metadata: %w", err)
+	}
+	return self, nil
+}
+
+// stopGracefully lets running calls finish, for at most d.
+func stopGracefully(s *grpc.Server, d time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(d):
+		s.Stop()
+	}
+}

@@ -1,0 +1,230 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/initclient"
+	"github.com/berthlabs/berth/internal/initsecret"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+// kubeadmRecorder stands in for kubeadm: init writes an admin kubeconfig, join is recorded.
+type kubeadmRecorder struct {
+	paths nodestate.Paths
+	mu    sync.Mutex
+	calls []string
+}
+
+func (k *kubeadmRecorder) Init(ctx context.Context, configPath string, progress func(string)) error {
+	progress("[init] Using Kubernetes version: v1.36.3")
+	k.record("init")
+	return os.WriteFile(filepath.Join(k.paths.KubernetesDir, "admin.conf"), []byte("apiVersion: v1\nkind: Config\n"), 0o600)
+}
+
+func (k *kubeadmRecorder) Join(ctx context.Context, configPath string, progress func(string)) error {
+	k.record("join")
+	return nil
+}
+
+func (k *kubeadmRecorder) record(s string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.calls = append(k.calls, s)
+}
+
+func freePort(t *testing.T, host string) int {
+	t.Helper()
+	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+type labNode struct {
+	agent   *Agent
+	cfg     *Config
+	kubeadm *kubeadmRecorder
+	logs    *joinlab.SafeBuffer
+}
+
+// TestBootInitThenJoin runs berth-agent's boot for real on two machines: a control-plane node that the init
+// client initializes and that then serves joins from its stored secrets, and a worker that joins through it,
+// reboots and rejoins.
+func TestBootInitThenJoin(t *testing.T) {
+	ekCA := tpmtest.NewCA(t)
+	kube := fake.NewClientset()
+	joinCA, err := pki.NewCA("berth-join-ca", time.Now(), 365*24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeCA, err := pki.NewCA("kubernetes", time.Now(), 365*24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	initSecret, err := initsecret.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hash, err := initsecret.Hash([]byte(initSecret))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpAddr, workerAddr := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")
+	joinPort, initPort := freePort(t, cpAddr.String()), freePort(t, cpAddr.String())
+	doc := &metadata.Document{
+		UserData: metadata.UserData{ClusterName: "boot", JoinPort: uint16(joinPort), JoinCAPin: pki.SPKIPin(joinCA.Cert), InitSecretHash: hash},
+		Instances: []metadata.Instance{
+			{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{cpAddr}},
+			{Name: "worker-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{workerAddr}},
+		},
+	}
+	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: metadata.NewServer(doc, slog.New(slog.DiscardHandler)), ReadHeaderTimeout: time.Second}
+	go hs.Serve(metaLis)
+	t.Cleanup(func() { hs.Close() })
+	bundle := filepath.Join(t.TempDir(), "ek-ca.pem")
+	if err := os.WriteFile(bundle, ekCA.BundlePEM(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	newNode := func(addr netip.Addr) *labNode {
+		dir := t.TempDir()
+		tpm := ekCA.NewTPM(t)
+		img := filepath.Join(dir, "state.img")
+		if err := joinlab.CreateSparse(img, 32<<20); err != nil {
+			t.Fatal(err)
+		}
+		cfg := &Config{
+			MetadataURL: "http://" + metaLis.Addr().String(), TPM: tpm.Device(), StateDisk: img,
+			Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "etc-kubernetes"),
+				KubeletDir: filepath.Join(dir, "var-lib-kubelet")},
+			SourceAddress: addr.String(), InitListen: net.JoinHostPort(addr.String(), strconv.Itoa(initPort)),
+			JoinListenHost: addr.String(), EKCABundle: bundle, PCRs: joinlab.QuotedPCRs,
+			RetryMax: Duration{200 * time.Millisecond},
+		}
+		cfg.Defaults()
+		n := &labNode{cfg: cfg, kubeadm: &kubeadmRecorder{paths: cfg.Paths}, logs: &joinlab.SafeBuffer{}}
+		deps := RealDeps(cfg, slog.New(slog.NewTextHandler(n.logs, nil)))
+		deps.Kubeadm = n.kubeadm
+		deps.KubeClient = func(string) (kubernetes.Interface, error) { return kube, nil }
+		if n.agent, err = New(cfg, deps); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	cp, worker := newNode(cpAddr), newNode(workerAddr)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cpCtx, stopCP := context.WithCancel(ctx)
+	cpDone := make(chan error, 1)
+	go func() { cpDone <- cp.agent.Boot(cpCtx) }()
+	stopped := false
+	stop := func() error {
+		if stopped {
+			return nil
+		}
+		stopped = true
+		stopCP()
+		return <-cpDone
+	}
+	t.Cleanup(func() { stop() })
+
+	master, err := keys.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	salt, err := keys.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeKey, err := kubeCA.KeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	joinKey, err := joinCA.KeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	policyYAML, err := joinlab.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker).Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	expected := map[int][]byte{}
+	for _, i := range joinlab.QuotedPCRs {
+		expected[i] = make([]byte, 32)
+	}
+	var progress []string
+	result, err := initclient.Init(ctx, initclient.Config{
+		Endpoint:     cp.cfg.InitListen,
+		Verifier:     attest.NewVerifier(ekCA.Roots(), ekCA.Intermediates(), nil),
+		ExpectedPCRs: expected,
+		Progress:     func(line string) { progress = append(progress, line) },
+		Request: &berthv1.InitRequest{
+			InitSecret: []byte(initSecret), MasterSecret: master, Salt: salt,
+			KubernetesCaCertificate: kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
+			JoinCaCertificate: joinCA.CertPEM(), JoinCaKey: joinKey,
+			ClusterName: "boot", KubernetesVersion: "v1.36.3", JoinPolicy: policyYAML,
+		},
+	})
+	if err != nil {
+		t.Fatal(cp.logs.Logf("init: %v", err))
+	}
+	if len(result.Kubeconfig) == 0 || len(progress) == 0 {
+		t.Fatalf("init result %v, progress %q", result, progress)
+	}
+
+	if err := worker.agent.Boot(ctx); err != nil {
+		t.Fatal(cp.logs.Logf("worker boot: %v\n--- worker log ---\n%s", err, worker.logs.String()))
+	}
+	st, err := nodestate.Read(worker.cfg.Paths.State)
+	if err != nil || st.ClusterID != result.ClusterId || st.Via != nodestate.OwnerJoin {
+		t.Fatalf("worker state %+v (%v), cluster %s", st, err, result.ClusterId)
+	}
+	if s := worker.agent.Status(ctx); s.Disk != "keyed" || s.Member == nil {
+		t.Errorf("worker status after join: %+v", s)
+	}
+
+	// A reboot: the same disk, keyed, so the agent must take the rejoin path and unlock it.
+	if err := worker.agent.Boot(ctx); err != nil {
+		t.Fatal(cp.logs.Logf("worker reboot: %v\n--- worker log ---\n%s", err, worker.logs.String()))
+	}
+	if got := worker.kubeadm.calls; len(got) != 1 || got[0] != "join" {
+		t.Errorf("worker ran kubeadm %v, want one join (a reboot must not join again)", got)
+	}
+	if got := cp.kubeadm.calls; len(got) != 1 || got[0] != "init" {
+		t.Errorf("control-plane node ran kubeadm %v, want one init", got)
+	}
+
+	t0 := time.Now()
+	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("control-plane agent: %v", err)
+	}
+	t.Logf("control-plane agent stopped in %v", time.Since(t0))
+}

@@ -1,0 +1,136 @@
+// Package agent is berth-agent's work at every boot: it composes the state disk, the TPM, the metadata,
+// the init server, the join client and the join service into one node's life. Package main only parses
+// flags; everything a test needs to replace (TPM, kubeadm, Kubernetes client, mounting) comes in as Deps.
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+// DefaultInitPort is where a fresh control-plane node's init server listens; the Terraform provider dials it.
+const DefaultInitPort = 7451
+
+// DefaultConfigPath is where images put the agent's configuration.
+const DefaultConfigPath = "/etc/berth/agent.yaml"
+
+// Config is the agent's configuration file. Everything about the cluster itself comes from metadata; this
+// file says only where things are on this machine.
+type Config struct {
+	// MetadataURL is the instance-metadata service.
+	MetadataURL string `json:"metadataURL"`
+	// TPM is the TPM device (/dev/tpmrm0) or a swtpm socket ("unix:/path", "tcp:host:port").
+	TPM string `json:"tpm,omitempty"`
+	// StateDisk is the block device (or, in labs, the image file) of the encrypted state disk.
+	StateDisk string `json:"stateDisk"`
+	// StateMount is where the opened state volume is mounted; empty leaves it unmapped (labs without dm-crypt).
+	StateMount string `json:"stateMount,omitempty"`
+	// MapperName is the device-mapper name of the opened state volume.
+	MapperName string          `json:"mapperName,omitempty"`
+	Paths      nodestate.Paths `json:"paths"`
+	// SourceAddress, if set, is the address outgoing connections are made from.
+	SourceAddress string `json:"sourceAddress,omitempty"`
+	// InitListen is the init server's listen address.
+	InitListen string `json:"initListen,omitempty"`
+	// JoinListenHost is the host part the join service listens on; the port comes from user-data.
+	JoinListenHost string `json:"joinListenHost,omitempty"`
+	// PCRs to quote; the join client's defaults when empty.
+	PCRs []int `json:"pcrs,omitempty"`
+	// Kubeadm is the kubeadm binary; IgnorePreflightErrors go to every kubeadm run.
+	Kubeadm               string   `json:"kubeadm,omitempty"`
+	IgnorePreflightErrors []string `json:"ignorePreflightErrors,omitempty"`
+	// EKCABundle is a PEM file of the TPM vendors' EK CAs the join service trusts.
+	EKCABundle string `json:"ekCABundle,omitempty"`
+	// Kubeconfig is the join service's credentials for the API server.
+	Kubeconfig string `json:"kubeconfig,omitempty"`
+	// PolicyFile makes the join service read its policy from a file instead of the ConfigMap.
+	PolicyFile string `json:"policyFile,omitempty"`
+	// PolicyConfigMap is the join policy's ConfigMap in kube-system.
+	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
+	// RetryMax caps the join client's backoff.
+	RetryMax Duration `json:"retryMax,omitempty"`
+}
+
+// Duration reads "5s"-style durations from the configuration file.
+type Duration struct{ time.Duration }
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := yaml.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("duration: %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("duration: %w", err)
+	}
+	d.Duration = v
+	return nil
+}
+
+// MarshalJSON implements json.Marshaler.
+func (d Duration) MarshalJSON() ([]byte, error) { return []byte(`"` + d.String() + `"`), nil }
+
+// LoadConfig reads a configuration file and fills in defaults.
+func LoadConfig(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("reading agent configuration: %w", err)
+	}
+	var c Config
+	if err := yaml.UnmarshalStrict(data, &c); err != nil {
+		return nil, fmt.Errorf("parsing agent configuration %s: %w", path, err)
+	}
+	c.Defaults()
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("agent configuration %s: %w", path, err)
+	}
+	return &c, nil
+}
+
+// Defaults fills in what a real node uses.
+func (c *Config) Defaults() {
+	if c.TPM == "" {
+		c.TPM = attest.DefaultDevice
+	}
+	if c.MapperName == "" {
+		c.MapperName = "berth-state"
+	}
+	if c.Paths == (nodestate.Paths{}) {
+		c.Paths = nodestate.DefaultPaths
+	}
+	if c.InitListen == "" {
+		c.InitListen = fmt.Sprintf(":%d", DefaultInitPort)
+	}
+	if c.Kubeadm == "" {
+		c.Kubeadm = "kubeadm"
+	}
+	if c.EKCABundle == "" {
+		c.EKCABundle = "/etc/berth/ek-ca.pem"
+	}
+	if c.PolicyConfigMap == "" {
+		c.PolicyConfigMap = "berth-join-policy"
+	}
+}
+
+// Validate says what is missing.
+func (c *Config) Validate() error {
+	var errs []error
+	if c.MetadataURL == "" {
+		errs = append(errs, errors.New("metadataURL is required"))
+	}
+	if c.StateDisk == "" {
+		errs = append(errs, errors.New("stateDisk is required"))
+	}
+	if c.Paths.State == "" || c.Paths.KubernetesDir == "" || c.Paths.KubeletDir == "" {
+		errs = append(errs, errors.New("paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,156 @@
+package initserver
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubeadm"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+// Minimum sizes of the key material, the same that keys.Derive enforces, checked here so that a short
+// secret is refused by name before anything else.
+const (
+	minMasterSecret = 32
+	minSalt         = 16
+	diskKeySize     = 32
+)
+
+// kubernetesVersion accepts the release versions kubeadm is baked with: v1.36.3, or a pre-release such
+// as v1.37.0-rc.1.
+var kubernetesVersion = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})(-[0-9A-Za-z.]{1,32})?\z`)
+
+// plan is a checked init request with everything derived from it: nothing in it can fail to apply for a
+// reason the request could have shown.
+type plan struct {
+	clusterID     string
+	diskKey       []byte
+	kubeCA        *pki.CA
+	kubeCAKeyPEM  []byte
+	kubeadmConfig []byte
+	apiEndpoint   string
+	joinPolicy    []byte
+	secrets       *nodestate.ClusterSecrets
+}
+
+// validateRequest checks req for the node inst, whose state disk is disk and whose kubeadm certificates
+// go to pkiDir, at now. Errors name the field and never carry secret material.
+func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys.Label, pkiDir string, now time.Time) (*plan, error) {
+	if req == nil {
+		return nil, errors.New("no init request")
+	}
+	if n := len(req.MasterSecret); n < minMasterSecret {
+		return nil, fmt.Errorf("master secret is %d bytes, want at least %d", n, minMasterSecret)
+	}
+	if n := len(req.Salt); n < minSalt {
+		return nil, fmt.Errorf("salt is %d bytes, want at least %d", n, minSalt)
+	}
+	kubeCA, err := checkCA("Kubernetes CA", req.KubernetesCaCertificate, req.KubernetesCaKey, now)
+	if err != nil {
+		return nil, err
+	}
+	joinCA, err := checkCA("join CA", req.JoinCaCertificate, req.JoinCaKey, now)
+	if err != nil {
+		return nil, err
+	}
+	// Nodes pin the join CA to trust join services; if it were the Kubernetes CA, every API server
+	// certificate would pass for a join service.
+	if pki.SPKIPin(kubeCA.Cert) == pki.SPKIPin(joinCA.Cert) {
+		return nil, errors.New("the join CA and the Kubernetes CA have the same key; they must be different CAs")
+	}
+	if req.ClusterName == "" {
+		return nil, errors.New("cluster name is required")
+	}
+	if errs := validation.IsDNS1123Label(req.ClusterName); len(errs) > 0 {
+		return nil, fmt.Errorf("cluster name %q is not a DNS-1123 label: %s", req.ClusterName, strings.Join(errs, "; "))
+	}
+	if !kubernetesVersion.MatchString(req.KubernetesVersion) {
+		return nil, fmt.Errorf("kubernetes version %q is not a release version such as v1.36.3", req.KubernetesVersion)
+	}
+	if len(req.JoinPolicy) > 0 {
+		if _, err := policy.Parse(req.JoinPolicy); err != nil {
+			return nil, fmt.Errorf("initial join policy: %w", err)
+		}
+	}
+	if len(inst.Addresses) == 0 {
+		return nil, fmt.Errorf("instance %q has no address to advertise", inst.Name)
+	}
+	advertise := inst.Addresses[0]
+	config, err := kubeadm.InitConfig(kubeadm.InitParams{
+		NodeName:             inst.Name,
+		AdvertiseAddress:     advertise,
+		ControlPlaneEndpoint: req.ControlPlaneEndpoint,
+		KubernetesVersion:    req.KubernetesVersion,
+		ClusterName:          req.ClusterName,
+		PodSubnet:            req.PodSubnet,
+		ServiceSubnet:        req.ServiceSubnet,
+		CertificatesDir:      pkiDir,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("kubeadm configuration: %w", err)
+	}
+	endpoint := req.ControlPlaneEndpoint
+	if endpoint == "" {
+		endpoint = net.JoinHostPort(advertise.Unmap().String(), strconv.Itoa(int(kubeadm.DefaultBindPort)))
+	}
+
+	diskKey, err := keys.Derive(req.MasterSecret, req.Salt, disk, diskKeySize)
+	if err != nil {
+		return nil, err
+	}
+	clusterID, err := joinservice.ClusterID(req.MasterSecret, req.Salt)
+	if err != nil {
+		return nil, err
+	}
+	kubeKeyPEM, err := kubeCA.KeyPEM()
+	if err != nil {
+		return nil, fmt.Errorf("Kubernetes CA: %w", err)
+	}
+	joinKeyPEM, err := joinCA.KeyPEM()
+	if err != nil {
+		return nil, fmt.Errorf("join CA: %w", err)
+	}
+	return &plan{
+		clusterID:     clusterID,
+		diskKey:       diskKey,
+		kubeCA:        kubeCA,
+		kubeCAKeyPEM:  kubeKeyPEM,
+		kubeadmConfig: config,
+		apiEndpoint:   endpoint,
+		joinPolicy:    req.JoinPolicy,
+		secrets: &nodestate.ClusterSecrets{
+			MasterSecret:      req.MasterSecret,
+			Salt:              req.Salt,
+			JoinCACert:        joinCA.CertPEM(),
+			JoinCAKey:         joinKeyPEM,
+			APIServerEndpoint: endpoint,
+			KubernetesVersion: req.KubernetesVersion,
+		},
+	}, nil
+}
+
+// checkCA parses a CA and refuses one that has expired: kubeadm would only fail later, after the node is
+// committed to this init.
+func checkCA(name string, certPEM, keyPEM []byte, now time.Time) (*pki.CA, error) {
+	ca, err := pki.ParseCA(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	if now.After(ca.Cert.NotAfter) {
+		return nil, fmt.Errorf("%s %q expired at %s", name, ca.Cert.Subject.CommonName, ca.Cert.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return ca, nil
+}
