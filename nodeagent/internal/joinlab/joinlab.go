@@ -243,15 +243,25 @@ func CreateSparse(path string, size int64) error {
 	return errors.Join(f.Truncate(size), f.Close())
 }
 
-// Kubeadm records the joins it is asked to run; the real kubeadm runs in the cluster lab.
+// Kubeadm records the joins and inits it is asked to run; the real kubeadm runs in the cluster lab.
 type Kubeadm struct {
-	mu    sync.Mutex
-	Joins []string // contents of the configuration files
+	// KubernetesDir receives the admin kubeconfig an init writes.
+	KubernetesDir string
+	mu            sync.Mutex
+	Joins         []string // contents of the configuration files
+	Inits         int
 }
 
-// Init is not used by join clients.
+// Init writes an admin kubeconfig as kubeadm init would.
 func (k *Kubeadm) Init(ctx context.Context, configPath string, progress func(string)) error {
-	return errors.New("kubeadm init is not expected here")
+	if k.KubernetesDir == "" {
+		return errors.New("kubeadm init is not expected here")
+	}
+	progress("[init] Using Kubernetes version: v1.36.3")
+	k.mu.Lock()
+	k.Inits++
+	k.mu.Unlock()
+	return nodestate.WriteFile(filepath.Join(k.KubernetesDir, "admin.conf"), []byte("apiVersion: v1\nkind: Config\n"), 0o600)
 }
 
 // Join records the configuration it was given.

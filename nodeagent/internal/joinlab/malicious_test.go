@@ -348,6 +348,8 @@ func TestMaliciousJoin(t *testing.T) {
 		})
 	}
 
+	lab.initAttacks(t)
+
 	t.Run("control-plane files go only to control-plane nodes", func(t *testing.T) {
 		msg, err := (attack{node: cp}).run(t, lab)
 		if err != nil || len(msg.GetJoinTicket().GetControlPlaneFiles()) == 0 {
