@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // fakeKubeadm writes a shell script standing in for kubeadm and returns its
@@ -219,13 +220,22 @@ wait`)
 	if convErr != nil {
 		t.Fatal(convErr)
 	}
-	// Gone, or a zombie waiting to be reaped by init: either way dead.
-	stat, statErr := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if statErr == nil {
-		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
-		if len(fields) == 0 || fields[0] != "Z" {
-			t.Errorf("kubeadm's child %d survived the cancel: %s", pid, stat)
+	// SIGKILL is delivered asynchronously: wait until the child is gone, or a zombie waiting to be reaped
+	// by init. The bound only keeps a broken kill from hanging the test.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		stat, statErr := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if statErr != nil {
+			return
 		}
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) > 0 && fields[0] == "Z" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kubeadm's child %d survived the cancel: %s", pid, stat)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
