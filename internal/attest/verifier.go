@@ -210,12 +210,15 @@ func checkSizes(ev *berthv1.Evidence) error {
 	if len(ev.EkCertificate) == 0 || len(ev.EkCertificate) > maxCertSize {
 		return fmt.Errorf("%w: EK certificate of %d bytes", ErrMalformed, len(ev.EkCertificate))
 	}
-	for name, b := range map[string][]byte{
-		"AK public": ev.AkPublic, "AK creation data": ev.AkCreateData, "AK creation attestation": ev.AkCreateAttestation,
-		"AK creation signature": ev.AkCreateSignature, "quote": ev.Quote, "quote signature": ev.QuoteSignature,
+	for _, f := range []struct {
+		name string
+		b    []byte
+	}{
+		{"AK public", ev.AkPublic}, {"AK creation data", ev.AkCreateData}, {"AK creation attestation", ev.AkCreateAttestation},
+		{"AK creation signature", ev.AkCreateSignature}, {"quote", ev.Quote}, {"quote signature", ev.QuoteSignature},
 	} {
-		if len(b) == 0 || len(b) > maxBlobSize {
-			return fmt.Errorf("%w: %s of %d bytes", ErrMalformed, name, len(b))
+		if len(f.b) == 0 || len(f.b) > maxBlobSize {
+			return fmt.Errorf("%w: %s of %d bytes", ErrMalformed, f.name, len(f.b))
 		}
 	}
 	if len(ev.Pcrs) > 24 {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -13,6 +14,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/berthlabs/berth/internal/backoff"
 )
 
 // ErrNotFound is returned when the service has no record for an address.
@@ -186,4 +189,26 @@ func serverMessage(body []byte) string {
 		msg = "no message"
 	}
 	return msg
+}
+
+// SelfReader reads a node's own record (Client does).
+type SelfReader interface {
+	Self(ctx context.Context) (*Self, error)
+}
+
+// WaitSelf reads the node's own record, retrying with backoff until it succeeds or ctx ends: at boot the
+// metadata service may not answer yet.
+func WaitSelf(ctx context.Context, r SelfReader, p backoff.Policy, sleep backoff.Sleeper, rnd func() float64, log *slog.Logger) (*Self, error) {
+	var self *Self
+	err := backoff.Retry(ctx, p, sleep, rnd, func(ctx context.Context) error {
+		var err error
+		self, err = r.Self(ctx)
+		return err
+	}, func(attempt int, err error, next time.Duration) {
+		log.Warn("reading own metadata", "attempt", attempt, "error", err, "retry_in", next)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading own metadata: %w", err)
+	}
+	return self, nil
 }

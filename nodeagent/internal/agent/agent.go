@@ -227,18 +227,7 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 }
 
 func (a *Agent) self(ctx context.Context) (*metadata.Self, error) {
-	var self *metadata.Self
-	err := backoff.Retry(ctx, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, func(ctx context.Context) error {
-		var err error
-		self, err = a.meta.Self(ctx)
-		return err
-	}, func(attempt int, err error, next time.Duration) {
-		a.log.Warn("reading own metadata", "attempt", attempt, "error", err, "retry_in", next)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("reading own metadata: %w", err)
-	}
-	return self, nil
+	return metadata.WaitSelf(ctx, a.meta, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
 }
 
 // stopGracefully lets running calls finish, for at most d.

@@ -51,7 +51,7 @@ func KubeletCertPath(p nodestate.Paths) string {
 // writeCredentials puts the ticket's material where kubeadm and the kubelet expect it and returns the path
 // of the kubeadm join configuration. The kubelet's kubeconfig is written with the certificate the join
 // service issued, so the kubelet starts with an identity checked against the instance record instead of
-// bootstrapping one of its own choosing.
+// bootstrapping one of its own choosing. Everything is checked before the first file is written.
 func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
 	caCert, err := x509.ParseCertificate(t.KubernetesCaCertificate)
 	if err != nil {
@@ -64,41 +64,14 @@ func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.Join
 	if err := cert.CheckSignatureFrom(caCert); err != nil {
 		return "", fmt.Errorf("ticket's kubelet certificate is not signed by its Kubernetes CA: %w", err)
 	}
+	if !kubeletKey.PublicKey.Equal(cert.PublicKey) {
+		return "", errors.New("ticket's kubelet certificate is not for the key this node sent in its CSR")
+	}
 	for _, f := range t.ControlPlaneFiles {
 		if !filepath.IsLocal(f.Path) {
 			return "", fmt.Errorf("control-plane file path %q leaves the certificates directory", f.Path)
 		}
-		if err := nodestate.WriteFile(filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode&0o644)); err != nil {
-			return "", err
-		}
 	}
-	if err := nodestate.WriteFile(filepath.Join(p.PKIDir(), "ca.crt"), pki.EncodeCertPEM(caCert), 0o644); err != nil {
-		return "", err
-	}
-
-	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
-	if err != nil {
-		return "", err
-	}
-	certPath := KubeletCertPath(p)
-	if err := nodestate.WriteFile(certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600); err != nil {
-		return "", err
-	}
-	kubeconfig := clientcmdapi.NewConfig()
-	kubeconfig.Clusters["default-cluster"] = &clientcmdapi.Cluster{
-		Server: "https://" + t.ApiServerEndpoint, CertificateAuthorityData: pki.EncodeCertPEM(caCert),
-	}
-	kubeconfig.AuthInfos["default-auth"] = &clientcmdapi.AuthInfo{ClientCertificate: certPath, ClientKey: certPath}
-	kubeconfig.Contexts["default-context"] = &clientcmdapi.Context{Cluster: "default-cluster", AuthInfo: "default-auth"}
-	kubeconfig.CurrentContext = "default-context"
-	data, err := clientcmd.Write(*kubeconfig)
-	if err != nil {
-		return "", err
-	}
-	if err := nodestate.WriteFile(filepath.Join(p.KubernetesDir, "kubelet.conf"), data, 0o600); err != nil {
-		return "", err
-	}
-
 	if len(inst.Addresses) == 0 {
 		return "", errors.New("instance record has no address")
 	}
@@ -112,14 +85,48 @@ func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.Join
 	if inst.Role == metadata.RoleControlPlane {
 		params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
 	}
-	cfg, err := kubeadm.JoinConfig(params)
+	joinConfig, err := kubeadm.JoinConfig(params)
 	if err != nil {
 		return "", err
 	}
-	// The configuration holds the bootstrap token: it stays on the encrypted state disk, readable by root only.
-	path := filepath.Join(p.State, "kubeadm-join.yaml")
-	if err := nodestate.WriteFile(path, cfg, 0o600); err != nil {
+	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
+	if err != nil {
 		return "", err
 	}
-	return path, nil
+	certPath := KubeletCertPath(p)
+	kubeconfig := clientcmdapi.NewConfig()
+	kubeconfig.Clusters["default-cluster"] = &clientcmdapi.Cluster{
+		Server: "https://" + t.ApiServerEndpoint, CertificateAuthorityData: pki.EncodeCertPEM(caCert),
+	}
+	kubeconfig.AuthInfos["default-auth"] = &clientcmdapi.AuthInfo{ClientCertificate: certPath, ClientKey: certPath}
+	kubeconfig.Contexts["default-context"] = &clientcmdapi.Context{Cluster: "default-cluster", AuthInfo: "default-auth"}
+	kubeconfig.CurrentContext = "default-context"
+	kubeconfigData, err := clientcmd.Write(*kubeconfig)
+	if err != nil {
+		return "", err
+	}
+
+	type file struct {
+		path string
+		data []byte
+		mode os.FileMode
+	}
+	files := make([]file, 0, len(t.ControlPlaneFiles)+4)
+	for _, f := range t.ControlPlaneFiles {
+		files = append(files, file{filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode & 0o644)})
+	}
+	joinConfigPath := filepath.Join(p.State, "kubeadm-join.yaml")
+	files = append(files,
+		file{filepath.Join(p.PKIDir(), "ca.crt"), pki.EncodeCertPEM(caCert), 0o644},
+		file{certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600},
+		file{filepath.Join(p.KubernetesDir, "kubelet.conf"), kubeconfigData, 0o600},
+		// The configuration holds the bootstrap token: it stays on the encrypted state disk, readable by root only.
+		file{joinConfigPath, joinConfig, 0o600},
+	)
+	for _, f := range files {
+		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
+			return "", err
+		}
+	}
+	return joinConfigPath, nil
 }

@@ -140,24 +140,16 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 	if err != nil {
 		return nil, err
 	}
-	var ticket *berthv1.JoinTicket
-	err = c.retry(ctx, log, self, "join ticket", func(ctx context.Context, conn *grpc.ClientConn) error {
-		msg, err := c.exchange(ctx, berthv1.NewJoinServiceClient(conn).IssueJoinTicket, func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+	msg, err := c.request(ctx, log, self, "join ticket", berthv1.JoinServiceClient.IssueJoinTicket,
+		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
 				Evidence: ev, DiskUuid: disk.UUID, KubeletCsr: csr, Role: string(self.Instance.Role),
 			}}}
-		})
-		if err != nil {
-			return err
-		}
-		if ticket = msg.GetJoinTicket(); ticket == nil {
-			return errors.New("join service answered without a join ticket")
-		}
-		return nil
-	})
+		}, func(m *berthv1.JoinServerMessage) bool { return m.GetJoinTicket() != nil })
 	if err != nil {
 		return nil, err
 	}
+	ticket := msg.GetJoinTicket()
 	log.Info("join ticket received", "cluster", ticket.ClusterId,
 		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
 
@@ -195,41 +187,22 @@ func (c *Client) Rejoin(ctx context.Context, diskUUID string) (*berthv1.RejoinTi
 		return nil, err
 	}
 	log := c.cfg.Logger.With("node", self.Instance.Name, "role", string(self.Instance.Role))
-	var ticket *berthv1.RejoinTicket
-	err = c.retry(ctx, log, self, "rejoin ticket", func(ctx context.Context, conn *grpc.ClientConn) error {
-		msg, err := c.exchange(ctx, berthv1.NewJoinServiceClient(conn).IssueRejoinTicket, func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+	msg, err := c.request(ctx, log, self, "rejoin ticket", berthv1.JoinServiceClient.IssueRejoinTicket,
+		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{
 				Evidence: ev, DiskUuid: diskUUID,
 			}}}
-		})
-		if err != nil {
-			return err
-		}
-		if ticket = msg.GetRejoinTicket(); ticket == nil {
-			return errors.New("join service answered without a rejoin ticket")
-		}
-		return nil
-	})
+		}, func(m *berthv1.JoinServerMessage) bool { return m.GetRejoinTicket() != nil })
 	if err != nil {
 		return nil, err
 	}
+	ticket := msg.GetRejoinTicket()
 	log.Info("rejoin ticket received", "cluster", ticket.ClusterId)
 	return ticket, nil
 }
 
 func (c *Client) self(ctx context.Context) (*metadata.Self, error) {
-	var self *metadata.Self
-	err := backoff.Retry(ctx, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, func(ctx context.Context) error {
-		var err error
-		self, err = c.cfg.Metadata.Self(ctx)
-		return err
-	}, func(attempt int, err error, next time.Duration) {
-		c.cfg.Logger.Warn("reading own metadata", "attempt", attempt, "error", err, "retry_in", next)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("reading own metadata: %w", err)
-	}
-	return self, nil
+	return metadata.WaitSelf(ctx, c.cfg.Metadata, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, c.cfg.Logger)
 }
 
 // endpoints are where join services may answer: the configured load balancers, then every control-plane
@@ -246,7 +219,12 @@ func (c *Client) endpoints(ctx context.Context, log *slog.Logger, self *metadata
 			eps = append(eps, net.JoinHostPort(in.Addresses[0].String(), port))
 		}
 	}
-	eps = slices.Compact(eps)
+	seen := make(map[string]bool, len(eps))
+	eps = slices.DeleteFunc(eps, func(ep string) bool {
+		dup := seen[ep]
+		seen[ep] = true
+		return dup
+	})
 	if len(eps) == 0 {
 		return nil, errors.New("no join endpoint: user-data names no load balancer and metadata lists no other control-plane instance")
 	}
@@ -255,12 +233,17 @@ func (c *Client) endpoints(ctx context.Context, log *slog.Logger, self *metadata
 	return append(eps[k:], eps[:k]...), nil
 }
 
-// retry tries every endpoint once per attempt, backing off between attempts, until op succeeds.
-func (c *Client) retry(ctx context.Context, log *slog.Logger, self *metadata.Self, what string, op func(context.Context, *grpc.ClientConn) error) error {
+type opener func(berthv1.JoinServiceClient, context.Context, ...grpc.CallOption) (bidi, error)
+
+// request runs one kind of exchange against every endpoint once per attempt, backing off between attempts,
+// until an answer that has what valid wants arrives.
+func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.Self, what string, open opener,
+	build func(*berthv1.Evidence) *berthv1.JoinClientMessage, valid func(*berthv1.JoinServerMessage) bool) (*berthv1.JoinServerMessage, error) {
 	tlsCfg, err := rpc.PinnedTLS(self.UserData.JoinCAPin, c.cfg.Clock)
 	if err != nil {
-		return backoff.Permanent(err)
+		return nil, err
 	}
+	var answer *berthv1.JoinServerMessage
 	err = backoff.Retry(ctx, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, func(ctx context.Context) error {
 		eps, err := c.endpoints(ctx, log, self)
 		if err != nil {
@@ -268,8 +251,12 @@ func (c *Client) retry(ctx context.Context, log *slog.Logger, self *metadata.Sel
 		}
 		var errs []error
 		for _, ep := range eps {
-			err := c.try(ctx, ep, tlsCfg, op)
+			msg, err := c.try(ctx, ep, tlsCfg, open, build)
+			if err == nil && !valid(msg) {
+				err = fmt.Errorf("join service answered without a %s", what)
+			}
 			if err == nil {
+				answer = msg
 				return nil
 			}
 			log.Warn("requesting "+what, "endpoint", ep, "error", err)
@@ -280,20 +267,24 @@ func (c *Client) retry(ctx context.Context, log *slog.Logger, self *metadata.Sel
 		log.Info("retrying "+what, "attempt", attempt, "retry_in", next.Round(time.Millisecond))
 	})
 	if err != nil {
-		return fmt.Errorf("requesting %s: %w", what, err)
+		return nil, fmt.Errorf("requesting %s: %w", what, err)
 	}
-	return nil
+	return answer, nil
 }
 
-func (c *Client) try(ctx context.Context, endpoint string, tlsCfg *tls.Config, op func(context.Context, *grpc.ClientConn) error) error {
+// try runs one exchange on a new connection to endpoint.
+func (c *Client) try(ctx context.Context, endpoint string, tlsCfg *tls.Config, open opener, build func(*berthv1.Evidence) *berthv1.JoinClientMessage) (*berthv1.JoinServerMessage, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	defer cancel()
 	conn, err := grpc.NewClient(endpoint, rpc.DialOptions(tlsCfg, c.cfg.LocalAddr)...)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer conn.Close()
-	return op(ctx, conn)
+	client := berthv1.NewJoinServiceClient(conn)
+	return c.exchange(ctx, func(ctx context.Context, opts ...grpc.CallOption) (bidi, error) {
+		return open(client, ctx, opts...)
+	}, build)
 }
 
 type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]

@@ -81,8 +81,11 @@ func (k *KubeDisks) Claim(ctx context.Context, disk, ek string) error {
 		Data: map[string]string{diskOwnerKey: ek},
 	}
 	_, err := k.Client.CoreV1().ConfigMaps(Namespace).Create(ctx, cm, metav1.CreateOptions{})
+	if err == nil {
+		return nil
+	}
 	if !apierrors.IsAlreadyExists(err) {
-		return err
+		return fmt.Errorf("recording owner of disk %s: %w", disk, err)
 	}
 	owner, err := k.Owner(ctx, disk)
 	if err != nil {
@@ -101,7 +104,7 @@ func (k *KubeDisks) Owner(ctx context.Context, disk string) (string, error) {
 		return "", ErrDiskUnknown
 	}
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("reading owner of disk %s: %w", disk, err)
 	}
 	return cm.Data[diskOwnerKey], nil
 }

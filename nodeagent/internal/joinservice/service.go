@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -95,13 +96,21 @@ type Server struct {
 
 // New checks cfg and derives what every ticket shares.
 func New(cfg Config) (*Server, error) {
-	switch {
-	case cfg.Verifier == nil, cfg.Policy == nil, cfg.Instances == nil, cfg.Tokens == nil, cfg.Disks == nil:
-		return nil, errors.New("join service: verifier, policy, instances, tokens and disks are required")
-	case cfg.KubernetesCA == nil:
-		return nil, errors.New("join service: Kubernetes CA is required")
-	case cfg.APIServerEndpoint == "":
-		return nil, errors.New("join service: API server endpoint is required")
+	var missing []string
+	for _, dep := range []struct {
+		name string
+		ok   bool
+	}{
+		{"verifier", cfg.Verifier != nil}, {"policy", cfg.Policy != nil}, {"instances", cfg.Instances != nil},
+		{"tokens", cfg.Tokens != nil}, {"disks", cfg.Disks != nil}, {"Kubernetes CA", cfg.KubernetesCA != nil},
+		{"API server endpoint", cfg.APIServerEndpoint != ""},
+	} {
+		if !dep.ok {
+			missing = append(missing, dep.name)
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("join service: %s is required", strings.Join(missing, ", "))
 	}
 	if cfg.TokenTTL == 0 {
 		cfg.TokenTTL = 10 * time.Minute

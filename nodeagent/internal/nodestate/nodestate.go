@@ -45,9 +45,9 @@ func (l *Lock) Owner() string {
 
 // Paths are where a node keeps its files. State lives on the encrypted state disk.
 type Paths struct {
-	State         string // berth's own state, e.g. /var/lib/berth (on the state disk)
-	KubernetesDir string // /etc/kubernetes
-	KubeletDir    string // /var/lib/kubelet
+	State         string `json:"state"`         // berth's own state, e.g. /var/lib/berth (on the state disk)
+	KubernetesDir string `json:"kubernetesDir"` // /etc/kubernetes
+	KubeletDir    string `json:"kubeletDir"`    // /var/lib/kubelet
 }
 
 // DefaultPaths are the paths on a real node.

@@ -1,0 +1,189 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+func writeConfig(t *testing.T, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "agent.yaml")
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+const minimalConfig = "metadataURL: http://169.254.169.254/berth\nstateDisk: /dev/vdb\n"
+
+func TestLoadConfigDefaults(t *testing.T) {
+	c, err := LoadConfig(writeConfig(t, minimalConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Config{
+		MetadataURL:     "http://169.254.169.254/berth",
+		StateDisk:       "/dev/vdb",
+		TPM:             "/dev/tpmrm0",
+		MapperName:      "berth-state",
+		Paths:           nodestate.DefaultPaths,
+		InitListen:      ":7451",
+		Kubeadm:         "kubeadm",
+		EKCABundle:      "/etc/berth/ek-ca.pem",
+		PolicyConfigMap: "berth-join-policy",
+	}
+	got, _ := json.Marshal(c)
+	wantJSON, _ := json.Marshal(want)
+	if string(got) != string(wantJSON) {
+		t.Errorf("config\n%s\nwant\n%s", got, wantJSON)
+	}
+}
+
+func TestLoadConfigKeepsSetValues(t *testing.T) {
+	c, err := LoadConfig(writeConfig(t, `
+metadataURL: http://127.0.0.1:8080
+tpm: unix:/run/swtpm.sock
+stateDisk: /var/lib/lab/state.img
+stateMount: /mnt/state
+mapperName: lab-state
+paths:
+  state: /lab/state
+  kubernetesDir: /lab/etc/kubernetes
+  kubeletDir: /lab/var/lib/kubelet
+sourceAddress: 127.0.0.5
+initListen: 127.0.0.5:7451
+joinListenHost: 127.0.0.5
+pcrs: [0, 4, 7]
+kubeadm: /opt/bin/kubeadm
+ignorePreflightErrors: [SystemVerification]
+ekCABundle: /lab/ek.pem
+kubeconfig: /lab/admin.conf
+policyFile: /lab/policy.json
+policyConfigMap: other-policy
+retryMax: 1m30s
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPaths := nodestate.Paths{State: "/lab/state", KubernetesDir: "/lab/etc/kubernetes", KubeletDir: "/lab/var/lib/kubelet"}
+	switch {
+	case c.TPM != "unix:/run/swtpm.sock", c.MapperName != "lab-state", c.Paths != wantPaths, c.InitListen != "127.0.0.5:7451",
+		c.Kubeadm != "/opt/bin/kubeadm", c.EKCABundle != "/lab/ek.pem", c.PolicyConfigMap != "other-policy",
+		c.StateMount != "/mnt/state", c.SourceAddress != "127.0.0.5", c.JoinListenHost != "127.0.0.5",
+		c.Kubeconfig != "/lab/admin.conf", c.PolicyFile != "/lab/policy.json",
+		len(c.PCRs) != 3 || c.PCRs[2] != 7, len(c.IgnorePreflightErrors) != 1:
+		t.Errorf("configured values were lost or replaced by defaults: %+v", c)
+	}
+	if c.RetryMax.Duration != 90*time.Second {
+		t.Errorf("retryMax %v, want 1m30s", c.RetryMax.Duration)
+	}
+}
+
+func TestLoadConfigDurations(t *testing.T) {
+	tests := []struct {
+		value   string
+		want    time.Duration
+		wantErr bool
+	}{
+		{value: `"30s"`, want: 30 * time.Second},
+		{value: `2m`, want: 2 * time.Minute},
+		{value: `1h0m0.5s`, want: time.Hour + 500*time.Millisecond},
+		{value: `soon`, wantErr: true},
+		{value: `5`, wantErr: true},
+		{value: `[1s]`, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.value, func(t *testing.T) {
+			c, err := LoadConfig(writeConfig(t, minimalConfig+"retryMax: "+tt.value+"\n"))
+			if tt.wantErr {
+				if err == nil {
+					t.Fatalf("retryMax %s parsed to %v, want an error", tt.value, c.RetryMax)
+				}
+				if !strings.Contains(err.Error(), "duration") && !strings.Contains(err.Error(), "retryMax") {
+					t.Errorf("error %q names neither the field nor durations", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.RetryMax.Duration != tt.want {
+				t.Errorf("retryMax %s = %v, want %v", tt.value, c.RetryMax.Duration, tt.want)
+			}
+		})
+	}
+}
+
+func TestDurationRoundTrip(t *testing.T) {
+	d := Duration{90 * time.Second}
+	b, err := json.Marshal(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(b) != `"1m30s"` {
+		t.Errorf("marshalled %s, want \"1m30s\"", b)
+	}
+	var back Duration
+	if err := json.Unmarshal(b, &back); err != nil || back != d {
+		t.Errorf("round trip gave %v (%v), want %v", back, err, d)
+	}
+}
+
+func TestLoadConfigRefusals(t *testing.T) {
+	tests := []struct {
+		name    string
+		content string
+		want    []string
+		// notWant are messages that must not appear: the fields that were given.
+		notWant []string
+	}{
+		{name: "unknown field", content: minimalConfig + "stateDsk: /dev/vdc\n", want: []string{`unknown field "stateDsk"`}},
+		{name: "unknown nested field", content: minimalConfig + "paths:\n  state: /s\n  kubernetesDir: /k\n  kubeletDir: /l\n  pkiDir: /p\n",
+			want: []string{`unknown field "pkiDir"`}},
+		{name: "empty file", content: "", want: []string{"metadataURL is required", "stateDisk is required"}},
+		{name: "no metadata URL", content: "stateDisk: /dev/vdb\n", want: []string{"metadataURL is required"},
+			notWant: []string{"stateDisk"}},
+		{name: "no state disk", content: "metadataURL: http://m\n", want: []string{"stateDisk is required"},
+			notWant: []string{"metadataURL"}},
+		{name: "paths incomplete", content: minimalConfig + "paths:\n  state: /s\n",
+			want: []string{"paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"}},
+		{name: "not YAML", content: "metadataURL: [\n", want: []string{"parsing agent configuration"}},
+		{name: "wrong type", content: minimalConfig + "pcrs: seven\n", want: []string{"parsing agent configuration"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := writeConfig(t, tt.content)
+			c, err := LoadConfig(path)
+			if err == nil {
+				t.Fatalf("LoadConfig = %+v, want an error", c)
+			}
+			if !strings.Contains(err.Error(), path) {
+				t.Errorf("error %q does not name the file", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+			for _, nw := range tt.notWant {
+				if strings.Contains(err.Error(), nw) {
+					t.Errorf("error %q complains about %q, which is set", err, nw)
+				}
+			}
+		})
+	}
+}
+
+func TestLoadConfigMissingFile(t *testing.T) {
+	_, err := LoadConfig(filepath.Join(t.TempDir(), "absent.yaml"))
+	if err == nil || !strings.Contains(err.Error(), "reading agent configuration") || !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("LoadConfig of a missing file: %v", err)
+	}
+}

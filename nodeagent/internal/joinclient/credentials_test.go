@@ -1,0 +1,265 @@
+package joinclient
+
+import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/tls"
+	"crypto/x509"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+const testToken = "abcdef.0123456789abcdef"
+
+var credInstance = metadata.Instance{Name: "w-0", Role: metadata.RoleWorker, Addresses: addrs("10.0.0.20", "fd00::20")}
+
+func testPaths(t *testing.T) nodestate.Paths {
+	t.Helper()
+	dir := t.TempDir()
+	return nodestate.Paths{
+		State:         filepath.Join(dir, "var/lib/berth"),
+		KubernetesDir: filepath.Join(dir, "etc/kubernetes"),
+		KubeletDir:    filepath.Join(dir, "var/lib/kubelet"),
+	}
+}
+
+// ticketFor is the ticket a join service would issue to inst for the kubelet key in its CSR.
+func ticketFor(t *testing.T, ca *pki.CA, inst metadata.Instance) (*berthv1.JoinTicket, *ecdsa.PrivateKey) {
+	t.Helper()
+	key, csrDER, err := kubeletCSR(inst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	csr, err := x509.ParseCertificateRequest(csrDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := ca.IssueClient(pki.ClientTemplate{
+		CommonName: csr.Subject.CommonName, Organization: csr.Subject.Organization, IPAddresses: csr.IPAddresses,
+	}, csr.PublicKey, time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &berthv1.JoinTicket{
+		NodeName:                inst.Name,
+		ClusterId:               "0123456789abcdef0123456789abcdef",
+		ApiServerEndpoint:       "10.0.0.1:6443",
+		BootstrapToken:          testToken,
+		DiscoveryCaCertHashes:   []string{pki.SPKIPin(ca.Cert)},
+		KubeletCertificate:      cert.Raw,
+		KubernetesCaCertificate: ca.Cert.Raw,
+		KubernetesVersion:       "v1.36.3",
+	}, key
+}
+
+func newKubeCA(t *testing.T) *pki.CA {
+	t.Helper()
+	ca, err := pki.NewCA("kubernetes", time.Now(), 2*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ca
+}
+
+func fileMode(t *testing.T, path string) os.FileMode {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi.Mode().Perm()
+}
+
+func TestWriteCredentials(t *testing.T) {
+	ca := newKubeCA(t)
+	p := testPaths(t)
+	ticket, key := ticketFor(t, ca, credInstance)
+
+	joinConfig, err := writeCredentials(p, credInstance, ticket, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	kubeletConf := filepath.Join(p.KubernetesDir, "kubelet.conf")
+	cfg, err := clientcmd.LoadFromFile(kubeletConf)
+	if err != nil {
+		t.Fatalf("kubelet.conf does not load: %v", err)
+	}
+	if m := fileMode(t, kubeletConf); m != 0o600 {
+		t.Errorf("kubelet.conf mode %#o, want 0600", m)
+	}
+	ctx := cfg.Contexts[cfg.CurrentContext]
+	if ctx == nil {
+		t.Fatalf("current context %q does not exist", cfg.CurrentContext)
+	}
+	cluster, auth := cfg.Clusters[ctx.Cluster], cfg.AuthInfos[ctx.AuthInfo]
+	if cluster == nil || auth == nil {
+		t.Fatalf("context %+v names a missing cluster or user", ctx)
+	}
+	if cluster.Server != "https://10.0.0.1:6443" {
+		t.Errorf("server %q, want https://10.0.0.1:6443", cluster.Server)
+	}
+	if !bytes.Equal(cluster.CertificateAuthorityData, pki.EncodeCertPEM(ca.Cert)) {
+		t.Error("kubelet.conf does not carry the ticket's CA")
+	}
+	certPath := KubeletCertPath(p)
+	if auth.ClientCertificate != certPath || auth.ClientKey != certPath {
+		t.Errorf("client certificate %q and key %q, want both %q", auth.ClientCertificate, auth.ClientKey, certPath)
+	}
+
+	// The rest config client-go builds from kubelet.conf must hold a certificate and key that belong together.
+	rest, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
+	if err != nil {
+		t.Fatalf("client config from kubelet.conf: %v", err)
+	}
+	if _, err := tls.LoadX509KeyPair(rest.TLSClientConfig.CertFile, rest.TLSClientConfig.KeyFile); err != nil {
+		t.Errorf("kubelet certificate and key do not match: %v", err)
+	}
+	if m := fileMode(t, certPath); m != 0o600 {
+		t.Errorf("kubelet certificate file mode %#o, want 0600", m)
+	}
+
+	caFile := filepath.Join(p.PKIDir(), "ca.crt")
+	caPEM, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(caPEM, pki.EncodeCertPEM(ca.Cert)) {
+		t.Error("pki/ca.crt is not the ticket's CA")
+	}
+
+	if joinConfig != filepath.Join(p.State, "kubeadm-join.yaml") {
+		t.Errorf("join configuration at %s", joinConfig)
+	}
+	if m := fileMode(t, joinConfig); m != 0o600 {
+		t.Errorf("join configuration mode %#o, want 0600: it holds the bootstrap token", m)
+	}
+	jc, err := os.ReadFile(joinConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"kind: JoinConfiguration", testToken, "10.0.0.1:6443", pki.SPKIPin(ca.Cert), "name: w-0", "10.0.0.20"} {
+		if !strings.Contains(string(jc), want) {
+			t.Errorf("join configuration lacks %q:\n%s", want, jc)
+		}
+	}
+	if strings.Contains(string(jc), "controlPlane") {
+		t.Errorf("a worker's join configuration has a control-plane section:\n%s", jc)
+	}
+}
+
+func TestWriteCredentialsControlPlane(t *testing.T) {
+	ca := newKubeCA(t)
+	p := testPaths(t)
+	inst := metadata.Instance{Name: "cp-1", Role: metadata.RoleControlPlane, Addresses: addrs("10.0.0.11")}
+	ticket, key := ticketFor(t, ca, inst)
+	ticket.ControlPlaneFiles = []*berthv1.File{
+		{Path: "ca.key", Content: []byte("ca key"), Mode: 0o600},
+		{Path: "etcd/ca.crt", Content: []byte("etcd ca"), Mode: 0o644},
+		{Path: "sa.pub", Content: []byte("sa pub"), Mode: 0o4777},
+	}
+	joinConfig, err := writeCredentials(p, inst, ticket, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]os.FileMode{"ca.key": 0o600, "etcd/ca.crt": 0o644, "sa.pub": 0o644} {
+		path := filepath.Join(p.PKIDir(), name)
+		if m := fileMode(t, path); m != want {
+			t.Errorf("%s mode %#o, want %#o", name, m, want)
+		}
+	}
+	if fi, _ := os.Stat(filepath.Join(p.PKIDir(), "sa.pub")); fi != nil && fi.Mode()&(os.ModeSetuid|0o111) != 0 {
+		t.Errorf("sa.pub mode %v: set-uid or executable bits came through from the ticket", fi.Mode())
+	}
+	jc, err := os.ReadFile(joinConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(jc), "controlPlane") || !strings.Contains(string(jc), "advertiseAddress: 10.0.0.11") {
+		t.Errorf("control-plane join configuration lacks its control-plane section:\n%s", jc)
+	}
+}
+
+func TestWriteCredentialsRefusesNonLocalPaths(t *testing.T) {
+	ca := newKubeCA(t)
+	for _, path := range []string{"../x", "/etc/passwd", "etcd/../../x", ""} {
+		t.Run(path, func(t *testing.T) {
+			p := testPaths(t)
+			ticket, key := ticketFor(t, ca, credInstance)
+			ticket.ControlPlaneFiles = []*berthv1.File{{Path: path, Content: []byte("attacker"), Mode: 0o644}}
+			_, err := writeCredentials(p, credInstance, ticket, key)
+			if err == nil || !strings.Contains(err.Error(), "leaves the certificates directory") {
+				t.Fatalf("writeCredentials: %v, want the path refused", err)
+			}
+			if _, err := os.Stat(filepath.Join(p.KubernetesDir, "x")); err == nil {
+				t.Error("a file was written outside the certificates directory")
+			}
+			if _, err := os.Stat(filepath.Join(p.KubernetesDir, "kubelet.conf")); err == nil {
+				t.Error("kubelet.conf was written from a refused ticket")
+			}
+		})
+	}
+}
+
+func TestWriteCredentialsRefusesForeignKubeletCertificate(t *testing.T) {
+	ca, other := newKubeCA(t), newKubeCA(t)
+	p := testPaths(t)
+	ticket, key := ticketFor(t, ca, credInstance)
+	forged, _ := ticketFor(t, other, credInstance)
+	ticket.KubeletCertificate = forged.KubeletCertificate
+
+	_, err := writeCredentials(p, credInstance, ticket, key)
+	if err == nil || !strings.Contains(err.Error(), "not signed by its Kubernetes CA") {
+		t.Fatalf("writeCredentials: %v, want the kubelet certificate refused", err)
+	}
+	if _, err := os.Stat(p.KubernetesDir); err == nil {
+		t.Error("files were written for a refused ticket")
+	}
+	if _, err := os.Stat(KubeletCertPath(p)); err == nil {
+		t.Error("the foreign kubelet certificate was written")
+	}
+}
+
+func TestWriteCredentialsRefusesCertificateForAnotherKey(t *testing.T) {
+	ca := newKubeCA(t)
+	p := testPaths(t)
+	ticket, _ := ticketFor(t, ca, credInstance)
+	_, otherKey := ticketFor(t, ca, credInstance)
+
+	_, err := writeCredentials(p, credInstance, ticket, otherKey)
+	if err == nil || !strings.Contains(err.Error(), "not for the key this node sent") {
+		t.Fatalf("writeCredentials: %v, want the certificate refused", err)
+	}
+	if _, err := os.Stat(p.KubernetesDir); err == nil {
+		t.Error("files were written for a refused ticket")
+	}
+}
+
+func TestWriteCredentialsRefusesMalformedCertificates(t *testing.T) {
+	ca := newKubeCA(t)
+	for name, tamper := range map[string]func(*berthv1.JoinTicket){
+		"no CA":               func(tk *berthv1.JoinTicket) { tk.KubernetesCaCertificate = nil },
+		"CA garbage":          func(tk *berthv1.JoinTicket) { tk.KubernetesCaCertificate = []byte("garbage") },
+		"no kubelet cert":     func(tk *berthv1.JoinTicket) { tk.KubeletCertificate = nil },
+		"kubelet cert is PEM": func(tk *berthv1.JoinTicket) { tk.KubeletCertificate = pki.EncodeCertPEM(ca.Cert) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := testPaths(t)
+			ticket, key := ticketFor(t, ca, credInstance)
+			tamper(ticket)
+			if _, err := writeCredentials(p, credInstance, ticket, key); err == nil {
+				t.Fatal("writeCredentials accepted the ticket")
+			}
+		})
+	}
+}
