@@ -10,12 +10,14 @@ package kubeadm
 
 import (
 	"bytes"
+	"encoding/json"
 	"cmp"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strconv"
@@ -28,6 +30,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/version"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	"k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm/v1beta4"
+	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	"sigs.k8s.io/yaml"
 )
 
@@ -79,6 +82,17 @@ type InitParams struct {
 	CRISocket        string
 	SkipPhases       []string
 	KubeletExtraArgs map[string]string
+	// Kubelet is the cluster-wide kubelet configuration kubeadm uploads for every node; zero leaves
+	// kubeadm's defaults.
+	Kubelet KubeletSettings
+}
+
+// KubeletSettings are the kubelet fields that depend on the image rather than the node.
+type KubeletSettings struct {
+	// CgroupDriver is "systemd" or "cgroupfs"; kubeadm's default is systemd.
+	CgroupDriver string `json:"cgroupDriver,omitempty"`
+	// AllowCgroupV1 lets the kubelet start on a cgroup v1 host, which it refuses by default since 1.35.
+	AllowCgroupV1 bool `json:"allowCgroupV1,omitempty"`
 }
 
 // ControlPlaneJoin makes a joining node a control-plane node.
@@ -182,7 +196,50 @@ func InitConfig(p InitParams) ([]byte, error) {
 		ImageRepository:      p.ImageRepository,
 		ClusterName:          p.ClusterName,
 	}
-	return marshalDocuments(initCfg, clusterCfg)
+	if p.Kubelet == (KubeletSettings{}) {
+		return marshalDocuments(initCfg, clusterCfg)
+	}
+	if d := p.Kubelet.CgroupDriver; d != "" && d != "systemd" && d != "cgroupfs" {
+		return nil, fmt.Errorf("kubelet cgroup driver %q: want systemd or cgroupfs", d)
+	}
+	kubeletCfg := kubeletv1beta1.KubeletConfiguration{
+		TypeMeta:     metav1.TypeMeta{APIVersion: kubeletv1beta1.SchemeGroupVersion.String(), Kind: "KubeletConfiguration"},
+		CgroupDriver: p.Kubelet.CgroupDriver,
+	}
+	if p.Kubelet.AllowCgroupV1 {
+		fail := false
+		kubeletCfg.FailCgroupV1 = &fail
+	}
+	kubeletDoc, err := setFields(kubeletCfg, kubeletv1beta1.KubeletConfiguration{TypeMeta: kubeletCfg.TypeMeta})
+	if err != nil {
+		return nil, err
+	}
+	return marshalDocuments(initCfg, clusterCfg, kubeletDoc)
+}
+
+// setFields is doc with only the top-level fields that differ from empty, plus apiVersion and kind. The
+// kubelet's types have many fields without omitempty; written out as zeros ("syncFrequency: 0s") they read
+// as settings although the kubelet takes them as unset.
+func setFields(doc, empty any) (map[string]any, error) {
+	var set, zero map[string]any
+	for _, c := range []struct {
+		v   any
+		out *map[string]any
+	}{{doc, &set}, {empty, &zero}} {
+		b, err := json.Marshal(c.v)
+		if err != nil {
+			return nil, err
+		}
+		if err := json.Unmarshal(b, c.out); err != nil {
+			return nil, err
+		}
+	}
+	for k, v := range set {
+		if k != "apiVersion" && k != "kind" && reflect.DeepEqual(v, zero[k]) {
+			delete(set, k)
+		}
+	}
+	return set, nil
 }
 
 // JoinConfig renders the JoinConfiguration (kubeadm.k8s.io/v1beta4) for

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	kubeadmapi "k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm"
 	kubeadmscheme "k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm/scheme"
@@ -460,5 +461,49 @@ func TestJoinConfigRejects(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestInitConfigKubelet(t *testing.T) {
+	p := fullInitParams()
+	p.Kubelet = KubeletSettings{CgroupDriver: "cgroupfs", AllowCgroupV1: true}
+	b, err := InitConfig(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gvkmap, err := kubeadmutil.SplitConfigDocuments(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var kubelet []byte
+	for gvk, doc := range gvkmap {
+		if gvk.Kind == "KubeletConfiguration" {
+			if gvk.GroupVersion() != kubeletv1beta1.SchemeGroupVersion {
+				t.Errorf("KubeletConfiguration has group version %s", gvk.GroupVersion())
+			}
+			kubelet = doc
+		}
+	}
+	if kubelet == nil {
+		t.Fatalf("no KubeletConfiguration document:\n%s", b)
+	}
+	var got kubeletv1beta1.KubeletConfiguration
+	decodeStrict(t, kubelet, &got)
+	if got.CgroupDriver != "cgroupfs" || got.FailCgroupV1 == nil || *got.FailCgroupV1 {
+		t.Errorf("kubelet configuration %+v", got)
+	}
+	var fields map[string]any
+	decodeStrict(t, kubelet, &fields)
+	if len(fields) != 4 {
+		t.Errorf("the kubelet document sets %v; want only apiVersion, kind, cgroupDriver and failCgroupV1", fields)
+	}
+
+	p.Kubelet = KubeletSettings{}
+	if b, err = InitConfig(p); err != nil || strings.Contains(string(b), "KubeletConfiguration") {
+		t.Errorf("no kubelet settings must leave kubeadm's kubelet defaults: %v\n%s", err, b)
+	}
+	p.Kubelet = KubeletSettings{CgroupDriver: "cgroupv1"}
+	if _, err := InitConfig(p); err == nil || !strings.Contains(err.Error(), "cgroup driver") {
+		t.Errorf("bad cgroup driver: %v", err)
 	}
 }
