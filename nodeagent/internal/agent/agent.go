@@ -22,6 +22,7 @@ import (
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/kubelet"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
@@ -133,6 +134,17 @@ func (a *Agent) Boot(ctx context.Context) error {
 	}
 	lock := &nodestate.Lock{}
 	jc := a.joinClient(prover, lock, log)
+	ctx, stopKubelet := context.WithCancel(ctx)
+	defer stopKubelet()
+	kubeletDone := make(chan error, 1)
+	startKubelet := func() {
+		if !a.cfg.Kubelet.Run {
+			kubeletDone <- nil
+			return
+		}
+		sup := &kubelet.Supervisor{Binary: a.cfg.Kubelet.Binary, Paths: a.cfg.Paths, ExtraArgs: a.cfg.Kubelet.ExtraArgs, Logger: log}
+		go func() { kubeletDone <- sup.Run(ctx) }()
+	}
 	if !prepared.Fresh {
 		log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", prepared.UUID)
 		ticket, err := jc.Rejoin(ctx, prepared.UUID)
@@ -142,18 +154,31 @@ func (a *Agent) Boot(ctx context.Context) error {
 		if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
 			return fmt.Errorf("unlocking the state disk: %w", err)
 		}
+		startKubelet()
 		state, err := nodestate.Read(a.cfg.Paths.State)
 		if err != nil {
 			return fmt.Errorf("state disk unlocked but: %w", err)
 		}
 		log.Info("node rejoined", "cluster", state.ClusterID, "member_since", state.Since)
-	} else if err := a.firstBoot(ctx, log, self, prepared, prover, lock, jc); err != nil {
-		return err
+	} else {
+		// kubeadm waits for a running kubelet during init and join; the supervisor starts it as soon as
+		// kubeadm has written its configuration.
+		startKubelet()
+		if err := a.firstBoot(ctx, log, self, prepared, prover, lock, jc); err != nil {
+			return err
+		}
 	}
-	if self.Instance.Role != metadata.RoleControlPlane {
-		return nil
+	switch {
+	case self.Instance.Role == metadata.RoleControlPlane:
+		err = a.ServeJoinService(ctx)
+	case a.cfg.Kubelet.Run:
+		// The agent is the kubelet's supervisor: it stays until stopped.
+		<-ctx.Done()
+		err = ctx.Err()
 	}
-	return a.ServeJoinService(ctx)
+	stopKubelet()
+	<-kubeletDone
+	return err
 }
 
 // firstBoot runs the init server (on control-plane nodes that have an init secret) beside the join client;
@@ -198,6 +223,10 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	srv, err := initserver.New(initserver.Config{
 		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
 		Kubeadm: a.deps.Kubeadm, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
+		KubeadmInit: kubeadm.InitParams{
+			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
+			Kubelet: kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
+		},
 	})
 	if err != nil {
 		return nil, nil, err
@@ -221,7 +250,8 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
 	return joinclient.New(joinclient.Config{
 		Metadata: a.meta, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
-		Paths: a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
+		KubeadmJoin: kubeadm.JoinParams{SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
+		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
 		Backoff: backoff.Policy{Max: a.cfg.RetryMax.Duration}, Logger: log.With("component", "join-client"),
 	})
 }

@@ -54,8 +54,26 @@ type Config struct {
 	PolicyFile string `json:"policyFile,omitempty"`
 	// PolicyConfigMap is the join policy's ConfigMap in kube-system.
 	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
+	// SkipPhases are kubeadm phases this image leaves out (e.g. addons whose images it does not carry).
+	SkipPhases []string `json:"skipPhases,omitempty"`
+	// ImageRepository is where kubeadm takes the control-plane images from (the image's own, preloaded).
+	ImageRepository string `json:"imageRepository,omitempty"`
+	// Kubelet says how this machine runs its kubelet.
+	Kubelet KubeletConfig `json:"kubelet,omitempty"`
 	// RetryMax caps the join client's backoff.
 	RetryMax Duration `json:"retryMax,omitempty"`
+}
+
+// KubeletConfig is the kubelet's side of the image.
+type KubeletConfig struct {
+	// Run makes the agent start the kubelet with kubeadm's flags, on machines without systemd.
+	Run    bool   `json:"run,omitempty"`
+	Binary string `json:"binary,omitempty"`
+	// ExtraArgs are this node's own kubelet flags, without the leading dashes.
+	ExtraArgs map[string]string `json:"extraArgs,omitempty"`
+	// CgroupDriver and AllowCgroupV1 go to the cluster's kubelet configuration when this node initializes it.
+	CgroupDriver  string `json:"cgroupDriver,omitempty"`
+	AllowCgroupV1 bool   `json:"allowCgroupV1,omitempty"`
 }
 
 // Duration reads "5s"-style durations from the configuration file.

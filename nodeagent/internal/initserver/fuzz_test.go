@@ -10,6 +10,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -66,7 +67,7 @@ func FuzzValidateRequest(f *testing.F) {
 		case casExpired:
 			req.JoinCaCertificate, req.JoinCaKey = oldCert, oldKey
 		}
-		p, err := validateRequest(req, inst, disk, pkiDir, now)
+		p, err := validateRequest(req, inst, disk, kubeadm.InitParams{CertificatesDir: pkiDir}, now)
 		if err != nil {
 			if p != nil {
 				t.Fatalf("refused request (%v) came with a plan", err)
@@ -158,7 +159,7 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := validateRequest(valid(), inst, disk, "/etc/kubernetes/pki", now); err != nil {
+	if _, err := validateRequest(valid(), inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now); err != nil {
 		t.Fatalf("valid request refused: %v", err)
 	}
 
@@ -183,7 +184,7 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r := valid()
 			tc.change(r)
-			_, err := validateRequest(r, inst, disk, "/etc/kubernetes/pki", now)
+			_, err := validateRequest(r, inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %v, want one containing %q", err, tc.want)
 			}

@@ -46,9 +46,10 @@ type plan struct {
 	secrets       *nodestate.ClusterSecrets
 }
 
-// validateRequest checks req for the node inst, whose state disk is disk and whose kubeadm certificates
-// go to pkiDir, at now. Errors name the field and never carry secret material.
-func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys.Label, pkiDir string, now time.Time) (*plan, error) {
+// validateRequest checks req for the node inst, whose state disk is disk, at now, and plans the init. base
+// holds this machine's kubeadm settings (image, phases, kubelet, certificates directory); the node's identity
+// and the request's cluster settings are filled in here. Errors name the field and never carry secret material.
+func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys.Label, base kubeadm.InitParams, now time.Time) (*plan, error) {
 	if req == nil {
 		return nil, errors.New("no init request")
 	}
@@ -89,16 +90,11 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 		return nil, fmt.Errorf("instance %q has no address to advertise", inst.Name)
 	}
 	advertise := inst.Addresses[0]
-	config, err := kubeadm.InitConfig(kubeadm.InitParams{
-		NodeName:             inst.Name,
-		AdvertiseAddress:     advertise,
-		ControlPlaneEndpoint: req.ControlPlaneEndpoint,
-		KubernetesVersion:    req.KubernetesVersion,
-		ClusterName:          req.ClusterName,
-		PodSubnet:            req.PodSubnet,
-		ServiceSubnet:        req.ServiceSubnet,
-		CertificatesDir:      pkiDir,
-	})
+	params := base
+	params.NodeName, params.AdvertiseAddress = inst.Name, advertise
+	params.ControlPlaneEndpoint, params.KubernetesVersion, params.ClusterName = req.ControlPlaneEndpoint, req.KubernetesVersion, req.ClusterName
+	params.PodSubnet, params.ServiceSubnet = req.PodSubnet, req.ServiceSubnet
+	config, err := kubeadm.InitConfig(params)
 	if err != nil {
 		return nil, fmt.Errorf("kubeadm configuration: %w", err)
 	}

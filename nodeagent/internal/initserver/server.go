@@ -88,7 +88,10 @@ type Config struct {
 	// init secret's hash.
 	Self    *metadata.Self
 	Kubeadm kubeadm.Runner
-	Paths   nodestate.Paths
+	// KubeadmInit holds this machine's kubeadm settings (image repository, skipped phases, kubelet); the
+	// server fills in the node, the request's cluster settings and the certificates directory.
+	KubeadmInit kubeadm.InitParams
+	Paths       nodestate.Paths
 
 	// Timeout bounds an exchange until the init request arrives; DefaultTimeout if zero.
 	Timeout time.Duration
@@ -222,7 +225,9 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 		log = log.With("peer", addr.String())
 	}
 	log.Info("init secret accepted")
-	p, err := validateRequest(req, s.cfg.Self.Instance, s.disk, s.cfg.Paths.PKIDir(), s.cfg.Clock())
+	base := s.cfg.KubeadmInit
+	base.CertificatesDir = s.cfg.Paths.PKIDir()
+	p, err := validateRequest(req, s.cfg.Self.Instance, s.disk, base, s.cfg.Clock())
 	if err != nil {
 		log.Warn("init request refused", "reason", err)
 		return status.Errorf(codes.InvalidArgument, "init request refused: %v", err)

@@ -52,7 +52,7 @@ func KubeletCertPath(p nodestate.Paths) string {
 // of the kubeadm join configuration. The kubelet's kubeconfig is written with the certificate the join
 // service issued, so the kubelet starts with an identity checked against the instance record instead of
 // bootstrapping one of its own choosing. Everything is checked before the first file is written.
-func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
+func writeCredentials(p nodestate.Paths, base kubeadm.JoinParams, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
 	caCert, err := x509.ParseCertificate(t.KubernetesCaCertificate)
 	if err != nil {
 		return "", fmt.Errorf("ticket's Kubernetes CA: %w", err)
@@ -75,13 +75,9 @@ func writeCredentials(p nodestate.Paths, inst metadata.Instance, t *berthv1.Join
 	if len(inst.Addresses) == 0 {
 		return "", errors.New("instance record has no address")
 	}
-	params := kubeadm.JoinParams{
-		NodeName:          t.NodeName,
-		NodeIP:            inst.Addresses[0],
-		APIServerEndpoint: t.ApiServerEndpoint,
-		Token:             t.BootstrapToken,
-		CACertHashes:      t.DiscoveryCaCertHashes,
-	}
+	params := base
+	params.NodeName, params.NodeIP = t.NodeName, inst.Addresses[0]
+	params.APIServerEndpoint, params.Token, params.CACertHashes = t.ApiServerEndpoint, t.BootstrapToken, t.DiscoveryCaCertHashes
 	if inst.Role == metadata.RoleControlPlane {
 		params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
 	}

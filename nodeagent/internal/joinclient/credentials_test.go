@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
@@ -85,7 +86,7 @@ func TestWriteCredentials(t *testing.T) {
 	p := testPaths(t)
 	ticket, key := ticketFor(t, ca, credInstance)
 
-	joinConfig, err := writeCredentials(p, credInstance, ticket, key)
+	joinConfig, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +169,7 @@ func TestWriteCredentialsControlPlane(t *testing.T) {
 		{Path: "etcd/ca.crt", Content: []byte("etcd ca"), Mode: 0o644},
 		{Path: "sa.pub", Content: []byte("sa pub"), Mode: 0o4777},
 	}
-	joinConfig, err := writeCredentials(p, inst, ticket, key)
+	joinConfig, err := writeCredentials(p, kubeadm.JoinParams{}, inst, ticket, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +198,7 @@ func TestWriteCredentialsRefusesNonLocalPaths(t *testing.T) {
 			p := testPaths(t)
 			ticket, key := ticketFor(t, ca, credInstance)
 			ticket.ControlPlaneFiles = []*berthv1.File{{Path: path, Content: []byte("attacker"), Mode: 0o644}}
-			_, err := writeCredentials(p, credInstance, ticket, key)
+			_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
 			if err == nil || !strings.Contains(err.Error(), "leaves the certificates directory") {
 				t.Fatalf("writeCredentials: %v, want the path refused", err)
 			}
@@ -218,7 +219,7 @@ func TestWriteCredentialsRefusesForeignKubeletCertificate(t *testing.T) {
 	forged, _ := ticketFor(t, other, credInstance)
 	ticket.KubeletCertificate = forged.KubeletCertificate
 
-	_, err := writeCredentials(p, credInstance, ticket, key)
+	_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
 	if err == nil || !strings.Contains(err.Error(), "not signed by its Kubernetes CA") {
 		t.Fatalf("writeCredentials: %v, want the kubelet certificate refused", err)
 	}
@@ -236,7 +237,7 @@ func TestWriteCredentialsRefusesCertificateForAnotherKey(t *testing.T) {
 	ticket, _ := ticketFor(t, ca, credInstance)
 	_, otherKey := ticketFor(t, ca, credInstance)
 
-	_, err := writeCredentials(p, credInstance, ticket, otherKey)
+	_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, otherKey)
 	if err == nil || !strings.Contains(err.Error(), "not for the key this node sent") {
 		t.Fatalf("writeCredentials: %v, want the certificate refused", err)
 	}
@@ -257,7 +258,7 @@ func TestWriteCredentialsRefusesMalformedCertificates(t *testing.T) {
 			p := testPaths(t)
 			ticket, key := ticketFor(t, ca, credInstance)
 			tamper(ticket)
-			if _, err := writeCredentials(p, credInstance, ticket, key); err == nil {
+			if _, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key); err == nil {
 				t.Fatal("writeCredentials accepted the ticket")
 			}
 		})

@@ -67,7 +67,9 @@ type Config struct {
 	Disk     Disk
 	Lock     Locker
 	Kubeadm  kubeadm.Runner
-	Paths    nodestate.Paths
+	// KubeadmJoin holds this machine's kubeadm settings (phases, kubelet flags); the ticket fills in the rest.
+	KubeadmJoin kubeadm.JoinParams
+	Paths       nodestate.Paths
 
 	PCRs      []int
 	LocalAddr netip.Addr // optional source address for outgoing connections
@@ -161,7 +163,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		return nil, fmt.Errorf("setting state disk key: %w", err)
 	}
 	log.Info("state disk keyed", "disk", disk.UUID)
-	joinConfig, err := writeCredentials(c.cfg.Paths, self.Instance, ticket, kubeletKey)
+	joinConfig, err := writeCredentials(c.cfg.Paths, c.cfg.KubeadmJoin, self.Instance, ticket, kubeletKey)
 	if err != nil {
 		return nil, fmt.Errorf("writing credentials: %w", err)
 	}

@@ -1,0 +1,156 @@
+// Package kubelet runs the kubelet on machines without systemd, the way kubeadm's systemd drop-in would:
+// it waits for the files kubeadm writes (the kubelet configuration and kubeadm-flags.env), then starts
+// the kubelet with the same flags, and starts it again whenever it exits, until stopped.
+package kubelet
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+)
+
+// Supervisor runs one kubelet.
+type Supervisor struct {
+	Binary    string            // default "kubelet"
+	Paths     nodestate.Paths   // where kubeadm writes the kubelet's files
+	ExtraArgs map[string]string // this node's own flags (KUBELET_EXTRA_ARGS)
+	Logger    *slog.Logger
+	// Poll is how often the supervisor looks for kubeadm's files; RestartDelay is the pause before a
+	// kubelet that exited is started again.
+	Poll, RestartDelay time.Duration
+}
+
+// Run waits for kubeadm's files, then keeps a kubelet running until ctx ends; it returns ctx's error.
+func (s *Supervisor) Run(ctx context.Context) error {
+	log := s.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	log = log.With("component", "kubelet")
+	poll := cmpDuration(s.Poll, 200*time.Millisecond)
+	restart := cmpDuration(s.RestartDelay, 2*time.Second)
+	flagsFile := filepath.Join(s.Paths.KubeletDir, "kubeadm-flags.env")
+	configFile := filepath.Join(s.Paths.KubeletDir, "config.yaml")
+	waiting := false
+	for {
+		args, err := s.args(flagsFile, configFile)
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			if !waiting {
+				log.Info("waiting for kubeadm to write the kubelet's configuration", "file", configFile)
+				waiting = true
+			}
+			if err := sleep(ctx, poll); err != nil {
+				return err
+			}
+			continue
+		case err != nil:
+			return err
+		}
+		waiting = false
+		err = s.runOnce(ctx, log, args)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		log.Warn("kubelet exited; starting it again", "error", err, "in", restart)
+		if err := sleep(ctx, restart); err != nil {
+			return err
+		}
+	}
+}
+
+func (s *Supervisor) runOnce(ctx context.Context, log *slog.Logger, args []string) error {
+	bin := s.Binary
+	if bin == "" {
+		bin = "kubelet"
+	}
+	cmd := exec.CommandContext(ctx, bin, args...)
+	logFile, err := os.OpenFile(filepath.Join(s.Paths.State, "kubelet.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return fmt.Errorf("kubelet log: %w", err)
+	}
+	defer logFile.Close()
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// The kubelet gets SIGTERM first so it can stop its pods' probes cleanly.
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 10 * time.Second
+	log.Info("starting kubelet", "binary", bin, "args", strings.Join(args, " "), "log", logFile.Name())
+	return cmd.Run()
+}
+
+// args are the kubelet's flags as kubeadm's systemd drop-in composes them.
+func (s *Supervisor) args(flagsFile, configFile string) ([]string, error) {
+	if _, err := os.Stat(configFile); err != nil {
+		return nil, err
+	}
+	kubeadmArgs, err := readFlagsEnv(flagsFile)
+	if err != nil {
+		return nil, err
+	}
+	args := []string{
+		"--bootstrap-kubeconfig=" + filepath.Join(s.Paths.KubernetesDir, "bootstrap-kubelet.conf"),
+		"--kubeconfig=" + filepath.Join(s.Paths.KubernetesDir, "kubelet.conf"),
+		"--config=" + configFile,
+	}
+	args = append(args, kubeadmArgs...)
+	keys := make([]string, 0, len(s.ExtraArgs))
+	for k := range s.ExtraArgs {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		args = append(args, fmt.Sprintf("--%s=%s", k, s.ExtraArgs[k]))
+	}
+	return args, nil
+}
+
+// readFlagsEnv reads KUBELET_KUBEADM_ARGS from kubeadm-flags.env: one line, KUBELET_KUBEADM_ARGS="--a=b --c=d".
+// kubeadm never writes a value with a space, so splitting on spaces is what systemd does too.
+func readFlagsEnv(path string) ([]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		name, value, ok := strings.Cut(strings.TrimSpace(sc.Text()), "=")
+		if !ok || name != "KUBELET_KUBEADM_ARGS" {
+			continue
+		}
+		return strings.Fields(strings.Trim(value, `"`)), nil
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("reading %s: %w", path, err)
+	}
+	return nil, fmt.Errorf("%s has no KUBELET_KUBEADM_ARGS", path)
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+func cmpDuration(d, def time.Duration) time.Duration {
+	if d > 0 {
+		return d
+	}
+	return def
+}
