@@ -10,8 +10,8 @@ package kubeadm
 
 import (
 	"bytes"
-	"encoding/json"
 	"cmp"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -28,9 +28,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/version"
+	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	"k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm/v1beta4"
-	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	"sigs.k8s.io/yaml"
 )
 
