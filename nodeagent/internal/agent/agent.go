@@ -250,7 +250,7 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
 	return joinclient.New(joinclient.Config{
 		Metadata: a.meta, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
-		KubeadmJoin: kubeadm.JoinParams{SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
+		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
 		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
 		Backoff: backoff.Policy{Max: a.cfg.RetryMax.Duration}, Logger: log.With("component", "join-client"),
 	})

@@ -54,7 +54,7 @@ type Config struct {
 	PolicyFile string `json:"policyFile,omitempty"`
 	// PolicyConfigMap is the join policy's ConfigMap in kube-system.
 	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
-	// SkipPhases are kubeadm phases this image leaves out (e.g. addons whose images it does not carry).
+	// SkipPhases are kubeadm init phases this image leaves out (e.g. addons whose images it does not carry).
 	SkipPhases []string `json:"skipPhases,omitempty"`
 	// ImageRepository is where kubeadm takes the control-plane images from (the image's own, preloaded).
 	ImageRepository string `json:"imageRepository,omitempty"`

@@ -112,8 +112,8 @@ func writeCredentials(p nodestate.Paths, base kubeadm.JoinParams, inst metadata.
 		files = append(files, file{filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode & 0o644)})
 	}
 	joinConfigPath := filepath.Join(p.State, "kubeadm-join.yaml")
+	// pki/ca.crt is not written for workers: kubeadm join writes it from discovery and refuses to find one.
 	files = append(files,
-		file{filepath.Join(p.PKIDir(), "ca.crt"), pki.EncodeCertPEM(caCert), 0o644},
 		file{certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600},
 		file{filepath.Join(p.KubernetesDir, "kubelet.conf"), kubeconfigData, 0o600},
 		// The configuration holds the bootstrap token: it stays on the encrypted state disk, readable by root only.

@@ -1,0 +1,221 @@
+package lab
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Names of what the lab makes on the host; lab-down removes everything carrying them.
+const (
+	bridgeName   = "berthlab0"
+	netnsPrefix  = "berthlab-"
+	vethPrefix   = "bl-"
+	cgroupParent = "berthlab"
+	cgroupRoot   = "/sys/fs/cgroup"
+)
+
+// run runs a host command and returns its trimmed output; the error carries the command and its output.
+func run(ctx context.Context, name string, args ...string) (string, error) {
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
+	}
+	return string(bytes.TrimSpace(out)), nil
+}
+
+// setupBridge makes the lab's bridge with the host's address on it.
+func setupBridge(ctx context.Context, hostCIDR string) error {
+	if _, err := run(ctx, "ip", "link", "show", bridgeName); err == nil {
+		return fmt.Errorf("bridge %s exists: a lab is up already (make lab-down)", bridgeName)
+	}
+	for _, args := range [][]string{
+		{"link", "add", bridgeName, "type", "bridge"},
+		{"addr", "add", hostCIDR, "dev", bridgeName},
+		{"link", "set", bridgeName, "up"},
+	} {
+		if _, err := run(ctx, "ip", args...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// setupNodeNetwork gives a node its network namespace, a veth to the bridge with addr, and a default route
+// through the host.
+func setupNodeNetwork(ctx context.Context, node, cidr, gateway string) error {
+	ns, veth := netnsPrefix+node, vethPrefix+node
+	cmds := [][]string{
+		{"netns", "add", ns},
+		{"link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns},
+		{"link", "set", veth, "master", bridgeName},
+		{"link", "set", veth, "up"},
+		{"-n", ns, "link", "set", "lo", "up"},
+		{"-n", ns, "addr", "add", cidr, "dev", "eth0"},
+		{"-n", ns, "link", "set", "eth0", "up"},
+		{"-n", ns, "route", "add", "default", "via", gateway},
+	}
+	for _, args := range cmds {
+		if _, err := run(ctx, "ip", args...); err != nil {
+			return err
+		}
+	}
+	// kubeadm's preflight wants forwarding on, and the node's pods are routed through its namespace.
+	_, err := run(ctx, "ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+	return err
+}
+
+// cgroupControllers are the v1 hierarchies mounted on this host (cpu,cpuacct count once).
+func cgroupControllers() ([]string, error) {
+	entries, err := os.ReadDir(cgroupRoot)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range entries {
+		p := filepath.Join(cgroupRoot, e.Name())
+		if fi, err := os.Lstat(p); err != nil || !fi.IsDir() || fi.Mode()&os.ModeSymlink != 0 {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join(p, "cgroup.procs")); err == nil {
+			out = append(out, e.Name())
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no cgroup v1 hierarchies under " + cgroupRoot)
+	}
+	return out, nil
+}
+
+// makeCgroup creates /berthlab/<rel> in every hierarchy; the kubelet refuses a cgroupRoot that does not exist.
+func makeCgroup(rel string) error {
+	ctrls, err := cgroupControllers()
+	if err != nil {
+		return err
+	}
+	for _, c := range ctrls {
+		dir := filepath.Join(cgroupRoot, c)
+		for _, part := range strings.Split(filepath.Join(cgroupParent, rel), "/") {
+			dir = filepath.Join(dir, part)
+			if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+				return err
+			}
+			// A new cpuset admits no process until it has CPUs and memory nodes of its own.
+			if strings.Contains(c, "cpuset") {
+				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+					if cur, _ := os.ReadFile(filepath.Join(dir, f)); len(bytes.TrimSpace(cur)) > 0 {
+						continue
+					}
+					parent, err := os.ReadFile(filepath.Join(filepath.Dir(dir), f))
+					if err != nil {
+						return err
+					}
+					if err := os.WriteFile(filepath.Join(dir, f), parent, 0o644); err != nil {
+						return err
+					}
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// cgroupPIDs are the processes in /berthlab and below, from the pids hierarchy.
+func cgroupPIDs() []int {
+	var pids []int
+	filepath.WalkDir(filepath.Join(cgroupRoot, "pids", cgroupParent), func(path string, d os.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
+			return nil
+		}
+		data, _ := os.ReadFile(filepath.Join(path, "cgroup.procs"))
+		for _, f := range strings.Fields(string(data)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		return nil
+	})
+	return pids
+}
+
+// killLabProcesses stops every process in the lab's cgroups: SIGTERM, then SIGKILL for what remains.
+func killLabProcesses(grace time.Duration) []int {
+	pids := cgroupPIDs()
+	for _, p := range pids {
+		syscall.Kill(p, syscall.SIGTERM)
+	}
+	deadline := time.Now().Add(grace)
+	for len(cgroupPIDs()) > 0 && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	for i := 0; i < 20 && len(cgroupPIDs()) > 0; i++ {
+		for _, p := range cgroupPIDs() {
+			syscall.Kill(p, syscall.SIGKILL)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return cgroupPIDs()
+}
+
+// removeCgroups deletes /berthlab and everything below it in every hierarchy, deepest first.
+func removeCgroups() error {
+	ctrls, err := cgroupControllers()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, c := range ctrls {
+		var dirs []string
+		filepath.WalkDir(filepath.Join(cgroupRoot, c, cgroupParent), func(path string, d os.DirEntry, err error) error {
+			if err == nil && d.IsDir() {
+				dirs = append(dirs, path)
+			}
+			return nil
+		})
+		slices.Reverse(dirs)
+		for _, d := range dirs {
+			if err := os.Remove(d); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// labNetns are the lab's network namespaces on this host.
+func labNetns() []string {
+	entries, _ := os.ReadDir("/run/netns")
+	var out []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), netnsPrefix) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+// labMounts are mount points under dir, deepest first.
+func labMounts(dir string) []string {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && (f[4] == dir || strings.HasPrefix(f[4], dir+"/")) {
+			out = append(out, f[4])
+		}
+	}
+	slices.SortFunc(out, func(a, b string) int { return len(b) - len(a) })
+	return slices.Compact(out)
+}
