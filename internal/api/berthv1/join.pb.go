@@ -362,8 +362,10 @@ type JoinTicket struct {
 	// Only for nodes whose instance record says control-plane: the shared CA and service-account keys,
 	// paths relative to the kubeadm certificates directory.
 	ControlPlaneFiles []*File `protobuf:"bytes,12,rep,name=control_plane_files,json=controlPlaneFiles,proto3" json:"control_plane_files,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Only for control-plane nodes: what their own join service needs to serve joins.
+	ClusterSecrets *ClusterSecrets `protobuf:"bytes,13,opt,name=cluster_secrets,json=clusterSecrets,proto3" json:"cluster_secrets,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *JoinTicket) Reset() {
@@ -480,6 +482,83 @@ func (x *JoinTicket) GetControlPlaneFiles() []*File {
 	return nil
 }
 
+func (x *JoinTicket) GetClusterSecrets() *ClusterSecrets {
+	if x != nil {
+		return x.ClusterSecrets
+	}
+	return nil
+}
+
+// ClusterSecrets are the roots of the cluster's keys and the join CA, for control-plane nodes.
+type ClusterSecrets struct {
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	MasterSecret []byte                 `protobuf:"bytes,1,opt,name=master_secret,json=masterSecret,proto3" json:"master_secret,omitempty"`
+	Salt         []byte                 `protobuf:"bytes,2,opt,name=salt,proto3" json:"salt,omitempty"`
+	// PEM certificate and PKCS#8 key of the join-service CA.
+	JoinCaCertificate []byte `protobuf:"bytes,3,opt,name=join_ca_certificate,json=joinCaCertificate,proto3" json:"join_ca_certificate,omitempty"`
+	JoinCaKey         []byte `protobuf:"bytes,4,opt,name=join_ca_key,json=joinCaKey,proto3" json:"join_ca_key,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *ClusterSecrets) Reset() {
+	*x = ClusterSecrets{}
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterSecrets) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterSecrets) ProtoMessage() {}
+
+func (x *ClusterSecrets) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterSecrets.ProtoReflect.Descriptor instead.
+func (*ClusterSecrets) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ClusterSecrets) GetMasterSecret() []byte {
+	if x != nil {
+		return x.MasterSecret
+	}
+	return nil
+}
+
+func (x *ClusterSecrets) GetSalt() []byte {
+	if x != nil {
+		return x.Salt
+	}
+	return nil
+}
+
+func (x *ClusterSecrets) GetJoinCaCertificate() []byte {
+	if x != nil {
+		return x.JoinCaCertificate
+	}
+	return nil
+}
+
+func (x *ClusterSecrets) GetJoinCaKey() []byte {
+	if x != nil {
+		return x.JoinCaKey
+	}
+	return nil
+}
+
 type RejoinTicket struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	ClusterId         string                 `protobuf:"bytes,1,opt,name=cluster_id,json=clusterId,proto3" json:"cluster_id,omitempty"`
@@ -491,7 +570,7 @@ type RejoinTicket struct {
 
 func (x *RejoinTicket) Reset() {
 	*x = RejoinTicket{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -503,7 +582,7 @@ func (x *RejoinTicket) String() string {
 func (*RejoinTicket) ProtoMessage() {}
 
 func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -516,7 +595,7 @@ func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RejoinTicket.ProtoReflect.Descriptor instead.
 func (*RejoinTicket) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RejoinTicket) GetClusterId() string {
@@ -551,7 +630,7 @@ type File struct {
 
 func (x *File) Reset() {
 	*x = File{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +642,7 @@ func (x *File) String() string {
 func (*File) ProtoMessage() {}
 
 func (x *File) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +655,7 @@ func (x *File) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use File.ProtoReflect.Descriptor instead.
 func (*File) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *File) GetPath() string {
@@ -624,7 +703,7 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
-	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\xc1\x04\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\x84\x05\n" +
 	"\n" +
 	"JoinTicket\x12\x1b\n" +
 	"\tnode_name\x18\x01 \x01(\tR\bnodeName\x12\x1d\n" +
@@ -640,7 +719,13 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x19kubernetes_ca_certificate\x18\n" +
 	" \x01(\fR\x17kubernetesCaCertificate\x12-\n" +
 	"\x12kubernetes_version\x18\v \x01(\tR\x11kubernetesVersion\x12>\n" +
-	"\x13control_plane_files\x18\f \x03(\v2\x0e.berth.v1.FileR\x11controlPlaneFiles\"w\n" +
+	"\x13control_plane_files\x18\f \x03(\v2\x0e.berth.v1.FileR\x11controlPlaneFiles\x12A\n" +
+	"\x0fcluster_secrets\x18\r \x01(\v2\x18.berth.v1.ClusterSecretsR\x0eclusterSecrets\"\x99\x01\n" +
+	"\x0eClusterSecrets\x12#\n" +
+	"\rmaster_secret\x18\x01 \x01(\fR\fmasterSecret\x12\x12\n" +
+	"\x04salt\x18\x02 \x01(\fR\x04salt\x12.\n" +
+	"\x13join_ca_certificate\x18\x03 \x01(\fR\x11joinCaCertificate\x12\x1e\n" +
+	"\vjoin_ca_key\x18\x04 \x01(\fR\tjoinCaKey\"w\n" +
 	"\fRejoinTicket\x12\x1d\n" +
 	"\n" +
 	"cluster_id\x18\x01 \x01(\tR\tclusterId\x12\x19\n" +
@@ -666,38 +751,40 @@ func file_internal_api_berthv1_join_proto_rawDescGZIP() []byte {
 	return file_internal_api_berthv1_join_proto_rawDescData
 }
 
-var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_internal_api_berthv1_join_proto_goTypes = []any{
 	(*JoinClientMessage)(nil),   // 0: berth.v1.JoinClientMessage
 	(*JoinServerMessage)(nil),   // 1: berth.v1.JoinServerMessage
 	(*JoinRequest)(nil),         // 2: berth.v1.JoinRequest
 	(*RejoinRequest)(nil),       // 3: berth.v1.RejoinRequest
 	(*JoinTicket)(nil),          // 4: berth.v1.JoinTicket
-	(*RejoinTicket)(nil),        // 5: berth.v1.RejoinTicket
-	(*File)(nil),                // 6: berth.v1.File
-	(*ActivationProof)(nil),     // 7: berth.v1.ActivationProof
-	(*ActivationChallenge)(nil), // 8: berth.v1.ActivationChallenge
-	(*Evidence)(nil),            // 9: berth.v1.Evidence
+	(*ClusterSecrets)(nil),      // 5: berth.v1.ClusterSecrets
+	(*RejoinTicket)(nil),        // 6: berth.v1.RejoinTicket
+	(*File)(nil),                // 7: berth.v1.File
+	(*ActivationProof)(nil),     // 8: berth.v1.ActivationProof
+	(*ActivationChallenge)(nil), // 9: berth.v1.ActivationChallenge
+	(*Evidence)(nil),            // 10: berth.v1.Evidence
 }
 var file_internal_api_berthv1_join_proto_depIdxs = []int32{
 	2,  // 0: berth.v1.JoinClientMessage.join:type_name -> berth.v1.JoinRequest
 	3,  // 1: berth.v1.JoinClientMessage.rejoin:type_name -> berth.v1.RejoinRequest
-	7,  // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
-	8,  // 3: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
+	8,  // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
+	9,  // 3: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
 	4,  // 4: berth.v1.JoinServerMessage.join_ticket:type_name -> berth.v1.JoinTicket
-	5,  // 5: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
-	9,  // 6: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
-	9,  // 7: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
-	6,  // 8: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
-	0,  // 9: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
-	0,  // 10: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
-	1,  // 11: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
-	1,  // 12: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
-	11, // [11:13] is the sub-list for method output_type
-	9,  // [9:11] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	6,  // 5: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
+	10, // 6: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
+	10, // 7: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
+	7,  // 8: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
+	5,  // 9: berth.v1.JoinTicket.cluster_secrets:type_name -> berth.v1.ClusterSecrets
+	0,  // 10: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
+	0,  // 11: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
+	1,  // 12: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
+	1,  // 13: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
+	12, // [12:14] is the sub-list for method output_type
+	10, // [10:12] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_internal_api_berthv1_join_proto_init() }
@@ -722,7 +809,7 @@ func file_internal_api_berthv1_join_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_api_berthv1_join_proto_rawDesc), len(file_internal_api_berthv1_join_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   7,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -97,6 +97,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		APIServerEndpoint: secrets.APIServerEndpoint,
 		KubernetesVersion: secrets.KubernetesVersion,
 		ControlPlaneFiles: joinservice.PKIFiles(a.cfg.Paths.PKIDir()),
+		JoinCA:            joinCA,
 		Logger:            log,
 	})
 	if err != nil {

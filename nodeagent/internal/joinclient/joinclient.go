@@ -167,6 +167,15 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 	if err != nil {
 		return nil, fmt.Errorf("writing credentials: %w", err)
 	}
+	if s := ticket.ClusterSecrets; s != nil {
+		err := nodestate.WriteSecrets(c.cfg.Paths.State, &nodestate.ClusterSecrets{
+			MasterSecret: s.MasterSecret, Salt: s.Salt, JoinCACert: s.JoinCaCertificate, JoinCAKey: s.JoinCaKey,
+			APIServerEndpoint: ticket.ApiServerEndpoint, KubernetesVersion: ticket.KubernetesVersion,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("writing cluster secrets: %w", err)
+		}
+	}
 	err = c.cfg.Kubeadm.Join(ctx, joinConfig, func(line string) { log.Info("kubeadm", "line", line) })
 	if err != nil {
 		return nil, fmt.Errorf("kubeadm join: %w", err)

@@ -119,6 +119,7 @@ func New(t testing.TB) *Lab {
 		ControlPlaneFiles: func() ([]*berthv1.File, error) {
 			return []*berthv1.File{{Path: "ca.key", Content: []byte("lab CA key"), Mode: 0o600}}, nil
 		},
+		JoinCA:  l.JoinCA,
 		Timeout: 20 * time.Second,
 		Logger:  slog.New(slog.NewTextHandler(l.Logs, nil)),
 	})

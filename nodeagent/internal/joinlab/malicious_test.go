@@ -355,9 +355,15 @@ func TestMaliciousJoin(t *testing.T) {
 		if err != nil || len(msg.GetJoinTicket().GetControlPlaneFiles()) == 0 {
 			t.Fatalf("control-plane join: files %v, err %v", msg.GetJoinTicket().GetControlPlaneFiles(), err)
 		}
+		if s := msg.GetJoinTicket().GetClusterSecrets(); s == nil || !bytes.Equal(s.MasterSecret, lab.Master) {
+			t.Fatal("a control-plane ticket lacks the cluster secrets its join service needs")
+		}
 		msg, err = (attack{node: worker}).run(t, lab)
 		if err != nil || msg.GetJoinTicket() == nil || len(msg.GetJoinTicket().ControlPlaneFiles) != 0 {
 			t.Fatalf("worker join: %v, %v", msg, err)
+		}
+		if msg.GetJoinTicket().GetClusterSecrets() != nil {
+			t.Fatal("a worker received the cluster secrets")
 		}
 	})
 

@@ -77,6 +77,9 @@ type Config struct {
 	KubernetesVersion string
 	// ControlPlaneFiles returns the files a joining control-plane node needs (CA and service-account keys).
 	ControlPlaneFiles func() ([]*berthv1.File, error)
+	// JoinCA, when set, goes with the master secret to joining control-plane nodes, so that they serve
+	// joins too.
+	JoinCA *pki.CA
 
 	// TokenTTL is the bootstrap token's lifetime: minutes, since it is issued with the ticket.
 	TokenTTL time.Duration
@@ -187,7 +190,7 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_JoinTicket{JoinTicket: ticket}}); err != nil {
 		return err
 	}
-	ex.log.Info("join ticket issued", "control_plane_files", len(ticket.ControlPlaneFiles),
+	ex.log.Info("join ticket issued", "control_plane_files", len(ticket.ControlPlaneFiles), "cluster_secrets", ticket.ClusterSecrets != nil,
 		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
 	return nil
 }
@@ -306,11 +309,23 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
 	}
 	var files []*berthv1.File
-	if ex.instance.Role == metadata.RoleControlPlane && s.cfg.ControlPlaneFiles != nil {
-		if files, err = s.cfg.ControlPlaneFiles(); err != nil {
-			return nil, fmt.Errorf("reading control-plane files: %w", err)
+	var secrets *berthv1.ClusterSecrets
+	if ex.instance.Role == metadata.RoleControlPlane {
+		if s.cfg.ControlPlaneFiles != nil {
+			if files, err = s.cfg.ControlPlaneFiles(); err != nil {
+				return nil, fmt.Errorf("reading control-plane files: %w", err)
+			}
+		}
+		if s.cfg.JoinCA != nil {
+			key, err := s.cfg.JoinCA.KeyPEM()
+			if err != nil {
+				return nil, err
+			}
+			secrets = &berthv1.ClusterSecrets{MasterSecret: s.cfg.MasterSecret, Salt: s.cfg.Salt,
+				JoinCaCertificate: s.cfg.JoinCA.CertPEM(), JoinCaKey: key}
 		}
 	}
+	ex.log = ex.log.With("kubelet_cert_serial", cert.SerialNumber.Text(16))
 	// The token is made last so that no failure above leaves one behind unused.
 	token, expires, err := s.cfg.Tokens.Issue(ctx, s.cfg.TokenTTL)
 	if err != nil {
@@ -329,6 +344,7 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 		KubernetesCaCertificate:   s.cfg.KubernetesCA.Cert.Raw,
 		KubernetesVersion:         s.cfg.KubernetesVersion,
 		ControlPlaneFiles:         files,
+		ClusterSecrets:            secrets,
 	}, nil
 }
 
