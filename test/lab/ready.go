@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -79,4 +81,66 @@ func (l *Lab) readyNodes(ctx context.Context) (map[string]bool, error) {
 		}
 	}
 	return ready, nil
+}
+
+// WaitRestarted waits until n is Ready again with a heartbeat after since: a kubelet that came back.
+func (l *Lab) WaitRestarted(ctx context.Context, n *Node, since time.Time) error {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	defer cancel()
+	for {
+		out, err := l.Kubectl(ctx, "get", "node", n.Name, "-o", "jsonpath={.status.conditions[?(@.type==\"Ready\")].status} {.status.conditions[?(@.type==\"Ready\")].lastHeartbeatTime}")
+		if err == nil {
+			var status, beat string
+			fmt.Sscan(out, &status, &beat)
+			if t, perr := time.Parse(time.RFC3339, beat); perr == nil && status == "True" && !t.Before(since.Truncate(time.Second)) {
+				l.Timings["ready/"+n.Name] = time.Since(n.booted)
+				l.progress("%s: Ready again, %.1fs after boot", n.Name, time.Since(n.booted).Seconds())
+				return nil
+			}
+		}
+		select {
+		case exit := <-n.agentExit:
+			return l.nodeFailure(n, "reboot", exit)
+		case <-ctx.Done():
+			return l.nodeFailure(n, "waiting for Ready after reboot", fmt.Errorf("%v (last: %q, %v)", ctx.Err(), out, err))
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// RunPod runs a pod of the lab's locally built workload image on node and waits until it runs.
+func (l *Lab) RunPod(ctx context.Context, name string, node *Node) error {
+	manifest := fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata:
+  name: %s
+  namespace: default
+spec:
+  nodeName: %s
+  containers:
+  - name: sleeper
+    image: %s
+    imagePullPolicy: Never
+  tolerations:
+  - operator: Exists
+`, name, node.Name, WorkloadImage)
+	if _, err := l.kubectlStdin(ctx, manifest, "apply", "-f", "-"); err != nil {
+		return err
+	}
+	if _, err := l.Kubectl(ctx, "wait", "--for=jsonpath={.status.phase}=Running", "--timeout=120s", "pod/"+name); err != nil {
+		desc, _ := l.Kubectl(ctx, "describe", "pod", name)
+		return l.nodeFailure(node, "running pod "+name, fmt.Errorf("%w\n%s", err, desc))
+	}
+	l.progress("%s: pod %s Running from the locally built image %s", node.Name, name, WorkloadImage)
+	return nil
+}
+
+func (l *Lab) kubectlStdin(ctx context.Context, stdin string, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, filepath.Join(l.cfg.KubeBin, "kubectl"), append([]string{"--kubeconfig", l.Kubeconfig}, args...)...)
+	cmd.Stdin = strings.NewReader(stdin)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
 }

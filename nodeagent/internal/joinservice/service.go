@@ -264,7 +264,7 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	case err != nil:
 		return nil, s.fail(log, "looking up instance record", err)
 	}
-	log = log.With("node", inst.Name, "role", string(inst.Role))
+	log = log.With("peer_node", inst.Name, "peer_role", string(inst.Role))
 	if role != "" && metadata.Role(role) != inst.Role {
 		return nil, s.refuse(log, codes.PermissionDenied, "role refused",
 			fmt.Errorf("node asked as %q but its instance record says %q", role, inst.Role))
