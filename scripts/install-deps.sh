@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what Berth's build and tests need on Debian 12: the TPM emulator with its certificate tooling,
-# cryptsetup for LUKS2, protoc for `make generate`, openssl for certificate cross-checks. Idempotent: it
-# calls apt only for what is missing.
+# cryptsetup for LUKS2, protoc for `make generate`, openssl for certificate cross-checks, and for the
+# real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for.
+# Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
 need_go="1.26"
@@ -23,12 +24,21 @@ declare -A pkgs=(
 	[protoc]=protobuf-compiler
 	[openssl]=openssl
 	[blkid]=util-linux
+	[nsenter]=util-linux
 	[mkfs.ext4]=e2fsprogs
+	[ip]=iproute2
+	[containerd]=containerd
+	[runc]=runc
+	[iptables]=iptables
+	[conntrack]=conntrack
+	[socat]=socat
+	[ethtool]=ethtool
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do
 	command -v "$cmd" >/dev/null || [ -x "/usr/sbin/$cmd" ] || [ -x "/sbin/$cmd" ] || missing+=("${pkgs[$cmd]}")
 done
+[ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
 if [ ${#missing[@]} -eq 0 ]; then
 	exit 0
 fi

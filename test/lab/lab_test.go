@@ -109,8 +109,8 @@ func TestLab(t *testing.T) {
 		t.Logf("%s: %.1fs", name, d.Seconds())
 	}
 	for _, n := range l.Nodes {
-		if b, err := n.MemoryPeak(); err == nil {
-			t.Logf("memory %s: %d MiB", n.Name, b>>20)
+		if peak, rss, err := n.Memory(); err == nil {
+			t.Logf("memory %s: %d MiB resident, %d MiB peak with page cache", n.Name, rss>>20, peak>>20)
 		}
 	}
 }

@@ -277,13 +277,28 @@ state = "/run/containerd"
 	return os.WriteFile(n.path("agent.yaml"), data, 0o600)
 }
 
-// MemoryPeak is the most memory the node's cgroup ever held, pods included.
-func (n *Node) MemoryPeak() (int64, error) {
-	data, err := os.ReadFile(filepath.Join(cgroupRoot, "memory", n.cgroup(), "memory.max_usage_in_bytes"))
+// Memory is the most memory the node's cgroup ever held (page cache of its images and disks included), and
+// the resident memory of its processes now, pods included.
+func (n *Node) Memory() (peak, rss int64, err error) {
+	dir := filepath.Join(cgroupRoot, "memory", n.cgroup())
+	data, err := os.ReadFile(filepath.Join(dir, "memory.max_usage_in_bytes"))
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	if peak, err = strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64); err != nil {
+		return 0, 0, err
+	}
+	stat, err := os.ReadFile(filepath.Join(dir, "memory.stat"))
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, line := range strings.Split(string(stat), "\n") {
+		if v, ok := strings.CutPrefix(line, "total_rss "); ok {
+			rss, err = strconv.ParseInt(v, 10, 64)
+			return peak, rss, err
+		}
+	}
+	return 0, 0, fmt.Errorf("no total_rss in %s/memory.stat", dir)
 }
 
 // stop ends the node's processes (agent, kubelet, containerd, pods), as a machine that loses power would.

@@ -82,13 +82,13 @@ func up(ctx context.Context, dir, kubeBin, agent string) error {
 	}
 	fmt.Println(out)
 	fmt.Println()
-	fmt.Printf("%-10s %-16s %s\n", "NODE", "BOOT TO READY", "PEAK MEMORY")
+	fmt.Printf("%-10s %-14s %-14s %s\n", "NODE", "BOOT TO READY", "RESIDENT", "PEAK WITH CACHE")
 	for _, n := range l.Nodes {
-		mem := "?"
-		if b, err := n.MemoryPeak(); err == nil {
-			mem = fmt.Sprintf("%d MiB", b>>20)
+		rss, peak := "?", "?"
+		if p, r, err := n.Memory(); err == nil {
+			rss, peak = fmt.Sprintf("%d MiB", r>>20), fmt.Sprintf("%d MiB", p>>20)
 		}
-		fmt.Printf("%-10s %-16s %s\n", n.Name, l.Timings["ready/"+n.Name].Round(100*time.Millisecond), mem)
+		fmt.Printf("%-10s %-14s %-14s %s\n", n.Name, l.Timings["ready/"+n.Name].Round(100*time.Millisecond), rss, peak)
 	}
 	fmt.Printf("\nkubectl --kubeconfig %s get nodes\n", l.Kubeconfig)
 	return nil
