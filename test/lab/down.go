@@ -73,6 +73,14 @@ func Leftovers(dir string) []string {
 	for _, m := range labMounts(dir) {
 		out = append(out, "mount "+m)
 	}
+	// Nodes' kubelets and CNI write their rules inside their own namespaces; none may reach the host's.
+	if rules, err := run(context.Background(), "iptables-save"); err == nil {
+		for _, r := range strings.Split(rules, "\n") {
+			if strings.Contains(r, bridgeName) || strings.Contains(r, "10.250.0.") || strings.Contains(r, "10.244.") || strings.Contains(r, "cni0") {
+				out = append(out, "iptables rule "+r)
+			}
+		}
+	}
 	if ctrls, err := cgroupControllers(); err == nil {
 		for _, c := range ctrls {
 			if _, err := os.Stat(cgroupRoot + "/" + c + "/" + cgroupParent); err == nil {
