@@ -129,6 +129,21 @@ func makeCgroup(rel string) error {
 	return nil
 }
 
+// cgroupScript is a shell script that moves itself into /berthlab/<rel> in every hierarchy and then execs
+// its arguments, so that the process and all it starts are found there.
+func cgroupScript(rel string) (string, error) {
+	ctrls, err := cgroupControllers()
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	for _, c := range ctrls {
+		fmt.Fprintf(&b, "echo $$ > %s/%s/%s/%s/cgroup.procs; ", cgroupRoot, c, cgroupParent, rel)
+	}
+	b.WriteString(`exec "$@"`)
+	return b.String(), nil
+}
+
 // cgroupPIDs are the processes in /berthlab and below, from the pids hierarchy.
 func cgroupPIDs() []int {
 	var pids []int

@@ -305,7 +305,11 @@ func (l *Lab) startMetadata(initHash string) error {
 		return err
 	}
 	defer out.Close()
-	script := hostCgroupScript()
+	// The lab's own daemons live in /berthlab/host, so that Down finds them too.
+	script, err := cgroupScript("host")
+	if err != nil {
+		return err
+	}
 	cmd := exec.Command("sh", "-c", script, "sh", l.cfg.LabBinary, "metadata", "--document", l.path("metadata.json"), "--listen", l.metaAddr)
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -322,17 +326,6 @@ func (l *Lab) startMetadata(initHash string) error {
 			return fmt.Errorf("metadata service did not listen on %s (see %s)", l.metaAddr, l.path("metadata.log"))
 		}
 	}
-}
-
-// hostCgroupScript puts the lab's own daemons in /berthlab/host, so that Down finds them too.
-func hostCgroupScript() string {
-	ctrls, _ := cgroupControllers()
-	var b strings.Builder
-	for _, c := range ctrls {
-		fmt.Fprintf(&b, "echo $$ > %s/%s/%s/host/cgroup.procs; ", cgroupRoot, c, cgroupParent)
-	}
-	b.WriteString(`exec "$@"`)
-	return b.String()
 }
 
 // initCluster does what terraform's berth_cluster does: attest the node against the image's measurements,

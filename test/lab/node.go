@@ -46,20 +46,10 @@ func (n *Node) mountns() string      { return fmt.Sprintf("/proc/%d/ns/mnt", n.h
 func (n *Node) path(p string) string { return filepath.Join(n.Dir, p) }
 func (n *Node) cgroup() string       { return filepath.Join(cgroupParent, n.Name) }
 
-// joinCgroupScript puts the shell in the node's system cgroup in every hierarchy, then execs its arguments,
-// so that everything the node starts (pods included, under the kubelet's cgroup root) is found at lab-down
-// and counted in the node's memory.
+// joinCgroupScript puts the shell in the node's system cgroup, so that everything the node starts (pods
+// included, under the kubelet's cgroup root) is found at lab-down and counted in the node's memory.
 func (n *Node) joinCgroupScript() (string, error) {
-	ctrls, err := cgroupControllers()
-	if err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	for _, c := range ctrls {
-		fmt.Fprintf(&b, "echo $$ > %s/%s/%s/system/cgroup.procs; ", cgroupRoot, c, n.cgroup())
-	}
-	b.WriteString(`exec "$@"`)
-	return b.String(), nil
+	return cgroupScript(filepath.Join(n.Name, "system"))
 }
 
 // create makes what a node keeps across reboots: its cgroup, network namespace, TPM and state disk.
