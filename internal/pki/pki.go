@@ -76,14 +76,19 @@ func checkValidity(now time.Time, validity time.Duration) error {
 // NewCA makes a self-signed CA with a new P-256 key, valid from now for validity. It may sign
 // leaf certificates only (path length 0): Berth has no intermediate CAs.
 func NewCA(commonName string, now time.Time, validity time.Duration) (*CA, error) {
+	key, err := NewKey()
+	if err != nil {
+		return nil, fmt.Errorf("creating CA %q: %w", commonName, err)
+	}
+	return NewCAWithKey(commonName, key, now, validity)
+}
+
+// NewCAWithKey is NewCA for a key the caller made (Berth derives its cluster CAs' keys from a root key).
+func NewCAWithKey(commonName string, key crypto.Signer, now time.Time, validity time.Duration) (*CA, error) {
 	if commonName == "" {
 		return nil, errors.New("creating CA: empty common name")
 	}
 	if err := checkValidity(now, validity); err != nil {
-		return nil, fmt.Errorf("creating CA %q: %w", commonName, err)
-	}
-	key, err := NewKey()
-	if err != nil {
 		return nil, fmt.Errorf("creating CA %q: %w", commonName, err)
 	}
 	serial, err := newSerial()

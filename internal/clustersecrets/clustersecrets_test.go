@@ -1,0 +1,127 @@
+package clustersecrets
+
+import (
+	"bytes"
+	"crypto/hmac"
+	"crypto/sha256"
+	"errors"
+	"math/big"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/berthlabs/berth/internal/pki"
+)
+
+func root(b byte) []byte { return bytes.Repeat([]byte{b}, 32) }
+
+// hkdfExpand is RFC 5869 written out from HMAC, to check the derivation independently of crypto/hkdf.
+func hkdfExpand(t *testing.T, ikm []byte, info string, n int) []byte {
+	t.Helper()
+	prk := hmac.New(sha256.New, make([]byte, sha256.Size))
+	prk.Write(ikm)
+	key := prk.Sum(nil)
+	var out, prev []byte
+	for i := byte(1); len(out) < n; i++ {
+		m := hmac.New(sha256.New, key)
+		m.Write(prev)
+		m.Write([]byte(info))
+		m.Write([]byte{i})
+		prev = m.Sum(nil)
+		out = append(out, prev...)
+	}
+	return out[:n]
+}
+
+func TestDeriveIsStableAndSeparated(t *testing.T) {
+	a, err := Derive(root(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := Derive(root(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := Derive(root(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(a.MasterSecret, again.MasterSecret) || a.InitSecret != again.InitSecret ||
+		!a.KubernetesCAKey.Equal(again.KubernetesCAKey) || !a.JoinCAKey.Equal(again.JoinCAKey) {
+		t.Error("the same root key gave different secrets")
+	}
+	if bytes.Equal(a.MasterSecret, other.MasterSecret) || a.InitSecret == other.InitSecret || a.KubernetesCAKey.Equal(other.KubernetesCAKey) {
+		t.Error("two root keys gave the same secrets")
+	}
+	if bytes.Equal(a.MasterSecret, a.Salt) || a.KubernetesCAKey.Equal(a.JoinCAKey) {
+		t.Error("two purposes share a secret")
+	}
+	if want := hkdfExpand(t, root(1), "berth/v1/root/master-secret", 32); !bytes.Equal(a.MasterSecret, want) {
+		t.Errorf("master secret %x, want HKDF-SHA256 %x", a.MasterSecret, want)
+	}
+	d := new(big.Int).SetBytes(hkdfExpand(t, root(1), "berth/v1/root/kubernetes-ca", 48))
+	n := a.KubernetesCAKey.Curve.Params().N
+	d.Mod(d, new(big.Int).Sub(n, big.NewInt(1))).Add(d, big.NewInt(1))
+	raw, err := a.KubernetesCAKey.Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if new(big.Int).SetBytes(raw).Cmp(d) != 0 {
+		t.Error("the Kubernetes CA key is not the reduced HKDF output")
+	}
+}
+
+func TestDeriveRefusesShortRoot(t *testing.T) {
+	_, err := Derive(make([]byte, 31))
+	if err == nil || !strings.Contains(err.Error(), "at least 32") {
+		t.Fatalf("short root key: %v", err)
+	}
+}
+
+func TestCAs(t *testing.T) {
+	s, err := Derive(root(3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube, join, err := s.NewCAs(time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubePin, joinPin, err := s.Pins()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kubePin != pki.SPKIPin(kube.Cert) || joinPin != pki.SPKIPin(join.Cert) {
+		t.Error("pins differ from the certificates' pins")
+	}
+	if kube.Cert.Subject.CommonName != KubernetesCAName || join.Cert.Subject.CommonName != JoinCAName {
+		t.Errorf("subjects %q %q", kube.Cert.Subject, join.Cert.Subject)
+	}
+	// A later run pairs the kept certificates with the keys it derives.
+	later, err := Derive(root(3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k2, j2, err := later.CAs(kube.CertPEM(), join.CertPEM())
+	if err != nil {
+		t.Fatal(err)
+	}
+	leafKey, err := pki.NewKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := k2.IssueClient(pki.ClientTemplate{CommonName: "x"}, leafKey.Public(), time.Now(), time.Minute)
+	if err != nil || leaf.CheckSignatureFrom(kube.Cert) != nil || j2.Cert.SerialNumber.Cmp(join.Cert.SerialNumber) != 0 {
+		t.Errorf("a CA paired from kept certificate and derived key does not sign as the original: %v", err)
+	}
+	wrong, err := Derive(root(4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := wrong.CAs(kube.CertPEM(), join.CertPEM()); !errors.Is(err, ErrWrongRootKey) {
+		t.Errorf("certificates of another root key: %v, want ErrWrongRootKey", err)
+	}
+	if _, _, err := later.CAs([]byte("not pem"), join.CertPEM()); err == nil {
+		t.Error("garbage certificate accepted")
+	}
+}
