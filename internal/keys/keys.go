@@ -126,3 +126,13 @@ func NewSecret() ([]byte, error) {
 	}
 	return s, nil
 }
+
+// ClusterIDOf names the cluster of a master secret and salt without revealing anything about them: 32 hex
+// digits of the key derived under ClusterID.
+func ClusterIDOf(master, salt []byte) (string, error) {
+	id, err := Derive(master, salt, ClusterID, 16)
+	if err != nil {
+		return "", fmt.Errorf("deriving cluster ID: %w", err)
+	}
+	return fmt.Sprintf("%x", id), nil
+}

@@ -5,6 +5,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -264,3 +265,33 @@ func TestNewSecret(t *testing.T) {
 		t.Fatalf("a new secret is refused as master: %v", err)
 	}
 }
+
+func TestClusterIDOf(t *testing.T) {
+	id, err := ClusterIDOf(secretOf(1), secretOf(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`^[0-9a-f]{32}$`).MatchString(id) {
+		t.Errorf("cluster ID %q is not 32 lowercase hex digits", id)
+	}
+	again, err := ClusterIDOf(secretOf(1), secretOf(2))
+	if err != nil || again != id {
+		t.Errorf("ClusterID is not stable: %q then %q (%v)", id, again, err)
+	}
+	otherSalt, err := ClusterIDOf(secretOf(1), secretOf(3))
+	if err != nil || otherSalt == id {
+		t.Errorf("another salt gives %q (%v), the same as %q", otherSalt, err, id)
+	}
+	otherMaster, err := ClusterIDOf(secretOf(4), secretOf(2))
+	if err != nil || otherMaster == id {
+		t.Errorf("another master secret gives %q (%v), the same as %q", otherMaster, err, id)
+	}
+	if strings.Contains(id, hex.EncodeToString(secretOf(1))[:16]) {
+		t.Errorf("cluster ID %q shows the master secret", id)
+	}
+	if _, err := ClusterIDOf(nil, secretOf(2)); err == nil {
+		t.Error("ClusterID without a master secret succeeded")
+	}
+}
+
+func secretOf(b byte) []byte { return bytes.Repeat([]byte{b}, 32) }

@@ -14,7 +14,6 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 )
 
 // CA material a fuzzed request carries, chosen by a fuzzed byte.
@@ -88,7 +87,7 @@ func FuzzValidateRequest(f *testing.F) {
 		if err != nil || !bytes.Equal(p.diskKey, wantKey) {
 			t.Fatalf("disk key is not the one derived from the request (%v)", err)
 		}
-		if id, err := joinservice.ClusterID(master, salt); err != nil || p.clusterID != id {
+		if id, err := keys.ClusterIDOf(master, salt); err != nil || p.clusterID != id {
 			t.Fatalf("cluster ID %q, want %q (%v)", p.clusterID, id, err)
 		}
 		wantEndpoint := endpoint

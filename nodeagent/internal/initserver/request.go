@@ -17,7 +17,6 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -107,7 +106,7 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 	if err != nil {
 		return nil, err
 	}
-	clusterID, err := joinservice.ClusterID(req.MasterSecret, req.Salt)
+	clusterID, err := keys.ClusterIDOf(req.MasterSecret, req.Salt)
 	if err != nil {
 		return nil, err
 	}

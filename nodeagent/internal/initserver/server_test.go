@@ -33,7 +33,6 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/tpmtest"
-	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
@@ -286,7 +285,7 @@ func TestInit(t *testing.T) {
 		if err != nil {
 			t.Fatalf("init: %v\n%s", err, n.logs)
 		}
-		wantID, err := joinservice.ClusterID(req.MasterSecret, req.Salt)
+		wantID, err := keys.ClusterIDOf(req.MasterSecret, req.Salt)
 		if err != nil {
 			t.Fatal(err)
 		}

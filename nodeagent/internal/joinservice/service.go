@@ -127,20 +127,11 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	id, err := ClusterID(cfg.MasterSecret, cfg.Salt)
+	id, err := keys.ClusterIDOf(cfg.MasterSecret, cfg.Salt)
 	if err != nil {
 		return nil, fmt.Errorf("join service: %w", err)
 	}
 	return &Server{cfg: cfg, clusterID: id, caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}}, nil
-}
-
-// ClusterID names the cluster of a master secret without revealing anything about it.
-func ClusterID(master, salt []byte) (string, error) {
-	id, err := keys.Derive(master, salt, keys.ClusterID, 16)
-	if err != nil {
-		return "", fmt.Errorf("deriving cluster ID: %w", err)
-	}
-	return fmt.Sprintf("%x", id), nil
 }
 
 // exchange is what one attested request established.

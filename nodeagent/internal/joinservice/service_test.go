@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"net/netip"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -99,7 +99,7 @@ func TestNewDefaults(t *testing.T) {
 	if want := pki.SPKIPin(cfg.KubernetesCA.Cert); len(s.caPins) != 1 || s.caPins[0] != want {
 		t.Errorf("CA pins %v, want [%s]", s.caPins, want)
 	}
-	if want, _ := ClusterID(cfg.MasterSecret, cfg.Salt); s.clusterID != want {
+	if want, _ := keys.ClusterIDOf(cfg.MasterSecret, cfg.Salt); s.clusterID != want {
 		t.Errorf("cluster ID %q, want %q", s.clusterID, want)
 	}
 
@@ -110,33 +110,5 @@ func TestNewDefaults(t *testing.T) {
 	}
 	if s.cfg.TokenTTL != 3*time.Minute || s.cfg.Timeout != 5*time.Second {
 		t.Errorf("configured TokenTTL %v and Timeout %v were replaced", s.cfg.TokenTTL, s.cfg.Timeout)
-	}
-}
-
-func TestClusterID(t *testing.T) {
-	id, err := ClusterID(secret(1), secret(2))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !regexp.MustCompile(`^[0-9a-f]{32}$`).MatchString(id) {
-		t.Errorf("cluster ID %q is not 32 lowercase hex digits", id)
-	}
-	again, err := ClusterID(secret(1), secret(2))
-	if err != nil || again != id {
-		t.Errorf("ClusterID is not stable: %q then %q (%v)", id, again, err)
-	}
-	otherSalt, err := ClusterID(secret(1), secret(3))
-	if err != nil || otherSalt == id {
-		t.Errorf("another salt gives %q (%v), the same as %q", otherSalt, err, id)
-	}
-	otherMaster, err := ClusterID(secret(4), secret(2))
-	if err != nil || otherMaster == id {
-		t.Errorf("another master secret gives %q (%v), the same as %q", otherMaster, err, id)
-	}
-	if strings.Contains(id, hex.EncodeToString(secret(1))[:16]) {
-		t.Errorf("cluster ID %q shows the master secret", id)
-	}
-	if _, err := ClusterID(nil, secret(2)); err == nil {
-		t.Error("ClusterID without a master secret succeeded")
 	}
 }
