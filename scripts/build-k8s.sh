@@ -42,7 +42,9 @@ fi
 k8s_major="${BASH_REMATCH[1]}"
 k8s_minor="${BASH_REMATCH[2]}"
 
-cache_dir="${BERTH_CACHE:-$HOME/.cache/berth}/k8s/${k8s_version}-etcd-${etcd_version}"
+# CI may run without HOME: fall back to a system cache directory.
+cache_root="${BERTH_CACHE:-${HOME:+$HOME/.cache/berth}}"
+cache_dir="${cache_root:-/var/cache/berth}/k8s/${k8s_version}-etcd-${etcd_version}"
 bin_dir="$cache_dir/bin"
 mkdir -p "$bin_dir"
 
