@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -51,7 +52,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 				log.Info("waiting for kubeadm to write the kubelet's configuration", "file", configFile)
 				waiting = true
 			}
-			if err := sleep(ctx, poll); err != nil {
+			if err := backoff.Sleep(ctx, poll); err != nil {
 				return err
 			}
 			continue
@@ -64,7 +65,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			return ctx.Err()
 		}
 		log.Warn("kubelet exited; starting it again", "error", err, "in", restart)
-		if err := sleep(ctx, restart); err != nil {
+		if err := backoff.Sleep(ctx, restart); err != nil {
 			return err
 		}
 	}
@@ -135,17 +136,6 @@ func readFlagsEnv(path string) ([]string, error) {
 		return nil, fmt.Errorf("reading %s: %w", path, err)
 	}
 	return nil, fmt.Errorf("%s has no KUBELET_KUBEADM_ARGS", path)
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
 
 func cmpDuration(d, def time.Duration) time.Duration {
