@@ -62,6 +62,12 @@ func (e *Exec) Join(ctx context.Context, configPath string, progress func(line s
 	return e.run(ctx, "join", configPath, progress)
 }
 
+// Reset runs `kubeadm reset --force`: it removes what an interrupted init or join left on the node, so that
+// the node can join again.
+func (e *Exec) Reset(ctx context.Context, progress func(line string)) error {
+	return e.exec(ctx, "reset", []string{"reset", "--force"}, progress)
+}
+
 func (e *Exec) run(ctx context.Context, command, configPath string, progress func(string)) error {
 	if configPath == "" {
 		return fmt.Errorf("kubeadm %s: config path is required", command)
@@ -75,6 +81,11 @@ func (e *Exec) run(ctx context.Context, command, configPath string, progress fun
 		}
 		args = append(args, "--ignore-preflight-errors="+strings.Join(e.IgnorePreflightErrors, ","))
 	}
+	return e.exec(ctx, command, args, progress)
+}
+
+// exec runs kubeadm with args, streaming its output to progress.
+func (e *Exec) exec(ctx context.Context, command string, args []string, progress func(string)) error {
 	logger := e.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)

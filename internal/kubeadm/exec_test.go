@@ -279,3 +279,27 @@ func TestExecRejects(t *testing.T) {
 		})
 	}
 }
+
+func TestExecReset(t *testing.T) {
+	argsFile := filepath.Join(t.TempDir(), "args")
+	bin := fakeKubeadm(t, `echo "$@" > `+argsFile+`
+echo "[reset] Deleting contents of directories"`)
+	progress, lines := record()
+	if err := (&Exec{Binary: bin, IgnorePreflightErrors: []string{"Swap"}}).Reset(context.Background(), progress); err != nil {
+		t.Fatal(err)
+	}
+	args, err := os.ReadFile(argsFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Preflight settings belong to init and join; reset takes none.
+	if got := strings.TrimSpace(string(args)); got != "reset --force" {
+		t.Errorf("kubeadm called with %q, want \"reset --force\"", got)
+	}
+	if len(*lines) != 1 || !strings.HasPrefix((*lines)[0], "[reset]") {
+		t.Errorf("progress lines %q", *lines)
+	}
+	if err := (&Exec{Binary: fakeKubeadm(t, "echo boom; exit 3")}).Reset(context.Background(), nil); err == nil || !strings.Contains(err.Error(), "boom") {
+		t.Errorf("failing reset: %v, want an error with kubeadm's output", err)
+	}
+}

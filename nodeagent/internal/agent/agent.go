@@ -33,11 +33,17 @@ type Prover interface {
 	Close() error
 }
 
+// Kubeadm runs kubeadm (kubeadm.Exec); Reset clears what an interrupted join left behind.
+type Kubeadm interface {
+	kubeadm.Runner
+	Reset(ctx context.Context, progress func(line string)) error
+}
+
 // Deps are the agent's ties to the machine.
 type Deps struct {
 	// OpenProver opens the TPM.
 	OpenProver func(device string) (Prover, error)
-	Kubeadm    kubeadm.Runner
+	Kubeadm    Kubeadm
 	// KubeClient connects the join service to the API server.
 	KubeClient func(kubeconfig string) (kubernetes.Interface, error)
 	Logger     *slog.Logger
@@ -78,6 +84,8 @@ type Agent struct {
 	meta *metadata.Client
 	disk *statedisk.Disk
 	vol  *luks.Volume
+	// mounted is set once the state volume is mounted in this boot.
+	mounted bool
 }
 
 // New wires an agent.
@@ -102,17 +110,22 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 }
 
 // unlockingDisk mounts the state volume as soon as its key is set, so that everything the join client and
-// the init server write next lands on the encrypted disk.
+// the init server write next lands on the encrypted disk. A node that joins again after an interrupted join
+// sets the same key twice in one boot; the volume is mounted once.
 type unlockingDisk struct{ a *Agent }
 
 func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
 	if err := u.a.disk.SetKey(ctx, initial, key); err != nil {
 		return err
 	}
-	if u.a.cfg.StateMount == "" {
+	if u.a.cfg.StateMount == "" || u.a.mounted {
 		return nil
 	}
-	return u.a.disk.Mount(ctx, key, u.a.cfg.MapperName, u.a.cfg.StateMount)
+	if err := u.a.disk.Mount(ctx, key, u.a.cfg.MapperName, u.a.cfg.StateMount); err != nil {
+		return err
+	}
+	u.a.mounted = true
+	return nil
 }
 
 // Boot makes this node a cluster member (or a member again), then, on control-plane nodes, serves the join
@@ -154,12 +167,25 @@ func (a *Agent) Boot(ctx context.Context) error {
 		if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
 			return fmt.Errorf("unlocking the state disk: %w", err)
 		}
-		startKubelet()
 		state, err := nodestate.Read(a.cfg.Paths.State)
-		if err != nil {
+		switch {
+		case errors.Is(err, nodestate.ErrNoState):
+			// An earlier boot keyed the disk and died before the join finished. The disk is this TPM's (the
+			// service checked), so the node clears kubeadm's half-written files and joins again.
+			log.Warn("the state disk was keyed but the node never finished joining; resetting kubeadm and joining again")
+			if err := a.deps.Kubeadm.Reset(ctx, func(line string) { log.Info("kubeadm", "line", line) }); err != nil {
+				return fmt.Errorf("resetting an interrupted join: %w", err)
+			}
+			startKubelet()
+			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
+				return err
+			}
+		case err != nil:
 			return fmt.Errorf("state disk unlocked but: %w", err)
+		default:
+			startKubelet()
+			log.Info("node rejoined", "cluster", state.ClusterID, "member_since", state.Since)
 		}
-		log.Info("node rejoined", "cluster", state.ClusterID, "member_since", state.Since)
 	} else {
 		// kubeadm waits for a running kubelet during init and join; the supervisor starts it as soon as
 		// kubeadm has written its configuration.

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -29,11 +30,13 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
-// kubeadmRecorder stands in for kubeadm: init writes an admin kubeconfig, join is recorded.
+// kubeadmRecorder stands in for kubeadm: init writes an admin kubeconfig, join and reset are recorded, and
+// the first failJoins joins fail.
 type kubeadmRecorder struct {
-	paths nodestate.Paths
-	mu    sync.Mutex
-	calls []string
+	paths     nodestate.Paths
+	failJoins int
+	mu        sync.Mutex
+	calls     []string
 }
 
 func (k *kubeadmRecorder) Init(ctx context.Context, configPath string, progress func(string)) error {
@@ -44,6 +47,17 @@ func (k *kubeadmRecorder) Init(ctx context.Context, configPath string, progress 
 
 func (k *kubeadmRecorder) Join(ctx context.Context, configPath string, progress func(string)) error {
 	k.record("join")
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.failJoins > 0 {
+		k.failJoins--
+		return errors.New("kubeadm join: the machine lost power")
+	}
+	return nil
+}
+
+func (k *kubeadmRecorder) Reset(ctx context.Context, progress func(string)) error {
+	k.record("reset")
 	return nil
 }
 
@@ -92,13 +106,14 @@ func TestBootInitThenJoin(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cpAddr, workerAddr := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")
+	cpAddr, workerAddr, brokenAddr := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3"), netip.MustParseAddr("127.0.0.4")
 	joinPort, initPort := freePort(t, cpAddr.String()), freePort(t, cpAddr.String())
 	doc := &metadata.Document{
 		UserData: metadata.UserData{ClusterName: "boot", JoinPort: uint16(joinPort), JoinCAPin: pki.SPKIPin(joinCA.Cert), InitSecretHash: hash},
 		Instances: []metadata.Instance{
 			{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{cpAddr}},
 			{Name: "worker-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{workerAddr}},
+			{Name: "worker-1", Role: metadata.RoleWorker, Addresses: []netip.Addr{brokenAddr}},
 		},
 	}
 	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -138,7 +153,8 @@ func TestBootInitThenJoin(t *testing.T) {
 		}
 		return n
 	}
-	cp, worker := newNode(cpAddr), newNode(workerAddr)
+	cp, worker, broken := newNode(cpAddr), newNode(workerAddr), newNode(brokenAddr)
+	broken.kubeadm.failJoins = 1
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -220,6 +236,24 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	if got := cp.kubeadm.calls; len(got) != 1 || got[0] != "init" {
 		t.Errorf("control-plane node ran kubeadm %v, want one init", got)
+	}
+
+	// A node whose kubeadm join fails after its disk was keyed boots again, finds the disk keyed but no
+	// membership, resets kubeadm and joins again with the same disk.
+	if err := broken.agent.Boot(ctx); err == nil {
+		t.Fatal("the first boot of worker-1 succeeded although its kubeadm join failed")
+	}
+	if s := broken.agent.Status(ctx); s.Disk != "keyed" || s.Member != nil {
+		t.Fatalf("worker-1 after the failed join: %+v", s)
+	}
+	if err := broken.agent.Boot(ctx); err != nil {
+		t.Fatal(cp.logs.Logf("worker-1 recovery boot: %v\n--- worker-1 log ---\n%s", err, broken.logs.String()))
+	}
+	if got := strings.Join(broken.kubeadm.calls, ","); got != "join,reset,join" {
+		t.Errorf("worker-1 ran kubeadm %s, want join,reset,join", got)
+	}
+	if st, err := nodestate.Read(broken.cfg.Paths.State); err != nil || st.ClusterID != result.ClusterId {
+		t.Errorf("worker-1 state after recovery: %+v, %v", st, err)
 	}
 
 	t0 := time.Now()
