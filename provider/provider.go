@@ -1,6 +1,7 @@
 // Package provider is Berth's Terraform provider: it makes a cluster's public secrets material
 // (berth_secrets), hands the secrets themselves to other resources only as ephemeral values, reads the
-// Packer image manifest (berth_image) and renders node user-data (berth_node_config).
+// Packer image manifest (berth_image), renders node user-data (berth_node_config) and writes the join
+// policy into the cluster (berth_join_policy).
 //
 // Terraform state holds nothing secret: the operator keeps one root key and gives it through Terraform's
 // ephemeral channel (write-only arguments, ephemeral variables and resources); every secret and both CA keys
@@ -9,12 +10,17 @@ package provider
 
 import (
 	"context"
+	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/ephemeral"
+	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/provider"
 	"github.com/hashicorp/terraform-plugin-framework/provider/schema"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 )
 
 var (
@@ -43,17 +49,56 @@ func (p *berthProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp
 		MarkdownDescription: "Berth turns a baked VM image into a Kubernetes node that proves, by TPM attestation, " +
 			"what it runs before it gets any secret. This provider makes the cluster's CA certificates and pins " +
 			"from one root key, reads the Packer image manifest and renders node user-data.\n\n" +
-			"The provider has no configuration. Terraform state never holds a secret: the root key reaches the " +
-			"provider only through write-only arguments and ephemeral resources (Terraform 1.11 or later).",
+			"Terraform state never holds a secret: the root key reaches the provider only through write-only " +
+			"arguments and ephemeral resources (Terraform 1.11 or later).",
+		Attributes: map[string]schema.Attribute{
+			"kubeconfig": schema.StringAttribute{
+				Optional:  true,
+				Sensitive: true,
+				MarkdownDescription: "Admin kubeconfig (its content, not a path) of the cluster, for the resources " +
+					"that write into it (`berth_join_policy`). Provider configuration is not stored in state.",
+			},
+		},
 	}
 }
 
-// Configure has nothing to do: no resource of this provider talks to an API that needs credentials.
-func (p *berthProvider) Configure(context.Context, provider.ConfigureRequest, *provider.ConfigureResponse) {
+// providerModel is the provider's configuration.
+type providerModel struct {
+	Kubeconfig types.String `tfsdk:"kubeconfig"`
+}
+
+// providerData is what resources get from Configure.
+type providerData struct {
+	// kube is nil when no kubeconfig was configured; resources that need the cluster say so.
+	kube kubernetes.Interface
+}
+
+// Configure connects to the cluster when a kubeconfig is given. Provider configuration is never stored in
+// state, so the admin credentials it holds stay out of it.
+func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureRequest, resp *provider.ConfigureResponse) {
+	var cfg providerModel
+	resp.Diagnostics.Append(req.Config.Get(ctx, &cfg)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	data := &providerData{}
+	if !cfg.Kubeconfig.IsNull() && !cfg.Kubeconfig.IsUnknown() {
+		rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(cfg.Kubeconfig.ValueString()))
+		if err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("kubeconfig"), "Invalid kubeconfig", "The kubeconfig does not parse: "+err.Error())
+			return
+		}
+		rc.Timeout = 30 * time.Second
+		if data.kube, err = kubernetes.NewForConfig(rc); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("kubeconfig"), "Invalid kubeconfig", err.Error())
+			return
+		}
+	}
+	resp.ResourceData = data
 }
 
 func (p *berthProvider) Resources(context.Context) []func() resource.Resource {
-	return []func() resource.Resource{newSecretsResource}
+	return []func() resource.Resource{newSecretsResource, newJoinPolicyResource}
 }
 
 func (p *berthProvider) EphemeralResources(context.Context) []func() ephemeral.EphemeralResource {

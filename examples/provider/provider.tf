@@ -9,5 +9,14 @@ terraform {
   }
 }
 
-# The provider has no configuration.
-provider "berth" {}
+# The admin kubeconfig lets berth_join_policy write into the cluster; it is provider configuration, which
+# Terraform never stores in state.
+variable "kubeconfig" {
+  type      = string
+  sensitive = true
+  ephemeral = true
+}
+
+provider "berth" {
+  kubeconfig = var.kubeconfig
+}

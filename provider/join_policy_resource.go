@@ -1,0 +1,357 @@
+package provider
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-framework/attr"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
+	"github.com/hashicorp/terraform-plugin-framework/path"
+	"github.com/hashicorp/terraform-plugin-framework/resource"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
+)
+
+// policyNamespace is where the join service reads its policy.
+const policyNamespace = metav1.NamespaceSystem
+
+var (
+	_ resource.Resource                   = (*joinPolicyResource)(nil)
+	_ resource.ResourceWithConfigure      = (*joinPolicyResource)(nil)
+	_ resource.ResourceWithValidateConfig = (*joinPolicyResource)(nil)
+	_ resource.ResourceWithImportState    = (*joinPolicyResource)(nil)
+)
+
+// joinPolicyResource is berth_join_policy: the ConfigMap the join services read their policy from.
+type joinPolicyResource struct {
+	kube kubernetes.Interface
+}
+
+func newJoinPolicyResource() resource.Resource { return &joinPolicyResource{} }
+
+type joinPolicyModel struct {
+	ID     types.String `tfsdk:"id"`
+	Name   types.String `tfsdk:"name"`
+	Images types.List   `tfsdk:"images"`
+	YAML   types.String `tfsdk:"policy_yaml"`
+}
+
+type joinPolicyImage struct {
+	Name    types.String `tfsdk:"name"`
+	Roles   types.Set    `tfsdk:"roles"`
+	PCRs    types.Map    `tfsdk:"pcrs"`
+	Expires types.String `tfsdk:"expires"`
+}
+
+var imageAttrTypes = map[string]attr.Type{
+	"name":    types.StringType,
+	"roles":   types.SetType{ElemType: types.StringType},
+	"pcrs":    types.MapType{ElemType: types.StringType},
+	"expires": types.StringType,
+}
+
+var lowerHex64 = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
+func (r *joinPolicyResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
+	resp.TypeName = req.ProviderTypeName + "_join_policy"
+}
+
+func (r *joinPolicyResource) Schema(_ context.Context, _ resource.SchemaRequest, resp *resource.SchemaResponse) {
+	resp.Schema = schema.Schema{
+		MarkdownDescription: "Which images may join the cluster, per role: the join policy that every join service " +
+			"reads from a ConfigMap in `kube-system` and reloads on change. A node joins only when every PCR of " +
+			"one image allowed for its role (from its instance record) equals its quoted value and the image has " +
+			"not expired. Removing an image stops new nodes of it from joining; it does not touch running nodes.\n\n" +
+			"Needs the provider's `kubeconfig`. Import with the ConfigMap's name (`berth-join-policy`).",
+		Attributes: map[string]schema.Attribute{
+			"id": schema.StringAttribute{Computed: true, MarkdownDescription: "`kube-system/<name>`.",
+				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown()}},
+			"name": schema.StringAttribute{Optional: true, Computed: true, Default: stringdefault.StaticString("berth-join-policy"),
+				MarkdownDescription: "Name of the ConfigMap; the agents' `policyConfigMap` (default `berth-join-policy`).",
+				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()}},
+			"images": schema.ListNestedAttribute{
+				Required:            true,
+				MarkdownDescription: "The images allowed to join. An empty list lets no node join.",
+				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
+					"name": schema.StringAttribute{Required: true, MarkdownDescription: "Unique name of the image (lowercase letters, digits, `.` and `-`)."},
+					"roles": schema.SetAttribute{Required: true, ElementType: types.StringType,
+						MarkdownDescription: "Roles nodes of this image may have: `control-plane`, `worker`."},
+					"pcrs": schema.MapAttribute{Required: true, ElementType: types.StringType,
+						MarkdownDescription: "SHA-256 PCR values by index (`\"0\"`–`\"23\"`), 64 lowercase hex digits each; for example `data.berth_image.this.pcrs`."},
+					"expires": schema.StringAttribute{Optional: true,
+						MarkdownDescription: "RFC 3339 time in UTC (`2026-12-31T00:00:00Z`) after which the image no longer joins."},
+				}},
+			},
+			"policy_yaml": schema.StringAttribute{Computed: true, MarkdownDescription: "The policy as the join services read it."},
+		},
+	}
+}
+
+func (r *joinPolicyResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
+	if data, ok := req.ProviderData.(*providerData); ok {
+		r.kube = data.kube
+	}
+}
+
+func (r *joinPolicyResource) ValidateConfig(ctx context.Context, req resource.ValidateConfigRequest, resp *resource.ValidateConfigResponse) {
+	var m joinPolicyModel
+	resp.Diagnostics.Append(req.Config.Get(ctx, &m)...)
+	if resp.Diagnostics.HasError() || m.Images.IsUnknown() {
+		return
+	}
+	if _, diags := m.policy(ctx); diags.HasError() {
+		resp.Diagnostics.Append(diags...)
+	}
+}
+
+// policy builds the join policy of the model, with plan-time errors that name the attribute. Values that
+// are not known yet (an image's PCRs from a data source of this run) are skipped here and checked at apply.
+func (m joinPolicyModel) policy(ctx context.Context) (*policy.Policy, diag.Diagnostics) {
+	var diags diag.Diagnostics
+	var images []joinPolicyImage
+	diags.Append(m.Images.ElementsAs(ctx, &images, false)...)
+	if diags.HasError() {
+		return nil, diags
+	}
+	p := &policy.Policy{Images: []policy.Image{}}
+	known := true
+	for i, im := range images {
+		at := path.Root("images").AtListIndex(i)
+		if im.Name.IsUnknown() || im.Roles.IsUnknown() || im.PCRs.IsUnknown() || im.Expires.IsUnknown() {
+			known = false
+			continue
+		}
+		img := policy.Image{Name: im.Name.ValueString(), PCRs: map[int][]byte{}}
+		var roles, pcrKeys []string
+		diags.Append(im.Roles.ElementsAs(ctx, &roles, false)...)
+		for _, r := range roles {
+			img.Roles = append(img.Roles, metadata.Role(r))
+		}
+		slices.Sort(img.Roles)
+		var pcrs map[string]string
+		diags.Append(im.PCRs.ElementsAs(ctx, &pcrs, false)...)
+		for k := range pcrs {
+			pcrKeys = append(pcrKeys, k)
+		}
+		slices.Sort(pcrKeys)
+		for _, k := range pcrKeys {
+			idx, err := strconv.Atoi(k)
+			if err != nil || strconv.Itoa(idx) != k {
+				diags.AddAttributeError(at.AtName("pcrs"), "Invalid PCR index", fmt.Sprintf("PCR index %q is not a plain decimal number 0-23.", k))
+				continue
+			}
+			if !lowerHex64.MatchString(pcrs[k]) {
+				diags.AddAttributeError(at.AtName("pcrs").AtMapKey(k), "Invalid PCR value",
+					fmt.Sprintf("PCR %s must be 64 lowercase hex digits (a SHA-256 value), got %q.", k, pcrs[k]))
+				continue
+			}
+			img.PCRs[idx], _ = hex.DecodeString(pcrs[k])
+		}
+		if !im.Expires.IsNull() {
+			t, err := time.Parse(time.RFC3339, im.Expires.ValueString())
+			if err != nil || !strings.HasSuffix(im.Expires.ValueString(), "Z") {
+				diags.AddAttributeError(at.AtName("expires"), "Invalid expiry",
+					fmt.Sprintf("%q is not an RFC 3339 time in UTC such as 2026-12-31T00:00:00Z.", im.Expires.ValueString()))
+			} else {
+				img.Expires = &t
+			}
+		}
+		p.Images = append(p.Images, img)
+	}
+	if diags.HasError() || !known {
+		return nil, diags
+	}
+	if err := p.Validate(); err != nil {
+		diags.AddAttributeError(path.Root("images"), "Invalid join policy", err.Error())
+		return nil, diags
+	}
+	return p, diags
+}
+
+func (r *joinPolicyResource) client(diags *diag.Diagnostics) kubernetes.Interface {
+	if r.kube == nil {
+		diags.AddError("No cluster to write the join policy into",
+			"berth_join_policy needs the provider's kubeconfig, for example `provider \"berth\" { kubeconfig = berth_cluster.this.kubeconfig }`.")
+	}
+	return r.kube
+}
+
+func (r *joinPolicyResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {
+	var m joinPolicyModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &m)...)
+	kube := r.client(&resp.Diagnostics)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	data, diags := m.render(ctx)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	cm := &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: m.Name.ValueString(), Namespace: policyNamespace,
+			Labels: map[string]string{"app.kubernetes.io/managed-by": "terraform-provider-berth"}},
+		Data: map[string]string{policy.ConfigMapKey: data},
+	}
+	_, err := kube.CoreV1().ConfigMaps(policyNamespace).Create(ctx, cm, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		resp.Diagnostics.AddError("Join policy exists already",
+			fmt.Sprintf("ConfigMap %s/%s exists (the init request may have published one). Import it: terraform import berth_join_policy.<name> %s",
+				policyNamespace, m.Name.ValueString(), m.Name.ValueString()))
+		return
+	}
+	if err != nil {
+		resp.Diagnostics.AddError("Writing the join policy", err.Error())
+		return
+	}
+	m.ID = types.StringValue(policyNamespace + "/" + m.Name.ValueString())
+	m.YAML = types.StringValue(data)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+// render is the policy's YAML, as the join services parse it.
+func (m joinPolicyModel) render(ctx context.Context) (string, diag.Diagnostics) {
+	p, diags := m.policy(ctx)
+	if diags.HasError() {
+		return "", diags
+	}
+	data, err := p.Marshal()
+	if err != nil {
+		diags.AddError("Rendering the join policy", err.Error())
+	}
+	return string(data), diags
+}
+
+func (r *joinPolicyResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
+	var m joinPolicyModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &m)...)
+	kube := r.client(&resp.Diagnostics)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	cm, err := kube.CoreV1().ConfigMaps(policyNamespace).Get(ctx, m.Name.ValueString(), metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		resp.State.RemoveResource(ctx)
+		return
+	}
+	if err != nil {
+		resp.Diagnostics.AddError("Reading the join policy", err.Error())
+		return
+	}
+	p, err := policy.Parse([]byte(cm.Data[policy.ConfigMapKey]))
+	if err != nil {
+		resp.Diagnostics.AddError("The join policy in the cluster does not parse",
+			fmt.Sprintf("ConfigMap %s/%s: %v. Apply to replace it.", policyNamespace, cm.Name, err))
+		return
+	}
+	images, diags := imagesValue(p)
+	resp.Diagnostics.Append(diags...)
+	m.Images = images
+	m.ID = types.StringValue(policyNamespace + "/" + cm.Name)
+	m.YAML = types.StringValue(cm.Data[policy.ConfigMapKey])
+	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+// imagesValue is the Terraform value of a policy read from the cluster, for drift detection.
+func imagesValue(p *policy.Policy) (types.List, diag.Diagnostics) {
+	var diags diag.Diagnostics
+	objType := types.ObjectType{AttrTypes: imageAttrTypes}
+	elems := make([]attr.Value, 0, len(p.Images))
+	for _, img := range p.Images {
+		roles := make([]attr.Value, len(img.Roles))
+		for i, r := range img.Roles {
+			roles[i] = types.StringValue(string(r))
+		}
+		pcrs := map[string]attr.Value{}
+		for idx, v := range img.PCRs {
+			pcrs[strconv.Itoa(idx)] = types.StringValue(hex.EncodeToString(v))
+		}
+		expires := types.StringNull()
+		if img.Expires != nil {
+			expires = types.StringValue(img.Expires.UTC().Format(time.RFC3339))
+		}
+		rolesSet, d := types.SetValue(types.StringType, roles)
+		diags.Append(d...)
+		pcrMap, d := types.MapValue(types.StringType, pcrs)
+		diags.Append(d...)
+		obj, d := types.ObjectValue(imageAttrTypes, map[string]attr.Value{
+			"name": types.StringValue(img.Name), "roles": rolesSet, "pcrs": pcrMap, "expires": expires,
+		})
+		diags.Append(d...)
+		elems = append(elems, obj)
+	}
+	list, d := types.ListValue(objType, elems)
+	diags.Append(d...)
+	return list, diags
+}
+
+func (r *joinPolicyResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
+	var m joinPolicyModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &m)...)
+	kube := r.client(&resp.Diagnostics)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	data, diags := m.render(ctx)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	cms := kube.CoreV1().ConfigMaps(policyNamespace)
+	cm, err := cms.Get(ctx, m.Name.ValueString(), metav1.GetOptions{})
+	if err != nil {
+		resp.Diagnostics.AddError("Reading the join policy", err.Error())
+		return
+	}
+	cm.Data = map[string]string{policy.ConfigMapKey: data}
+	if _, err := cms.Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
+		resp.Diagnostics.AddError("Writing the join policy", err.Error())
+		return
+	}
+	m.ID = types.StringValue(policyNamespace + "/" + m.Name.ValueString())
+	m.YAML = types.StringValue(data)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+func (r *joinPolicyResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
+	var m joinPolicyModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &m)...)
+	kube := r.client(&resp.Diagnostics)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	err := kube.CoreV1().ConfigMaps(policyNamespace).Delete(ctx, m.Name.ValueString(), metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		resp.Diagnostics.AddError("Deleting the join policy", err.Error())
+		return
+	}
+	resp.Diagnostics.AddWarning("No node can join now",
+		"The join policy is gone: the join services keep an empty policy until a new one is written.")
+}
+
+// ImportState takes the ConfigMap's name, or kube-system/<name>.
+func (r *joinPolicyResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	name := strings.TrimPrefix(req.ID, policyNamespace+"/")
+	if name == "" || strings.Contains(name, "/") {
+		resp.Diagnostics.AddError("Invalid import ID", fmt.Sprintf("Want the ConfigMap's name (berth-join-policy) or %s/<name>, got %q.", policyNamespace, req.ID))
+		return
+	}
+	resp.Diagnostics.Append(resp.State.SetAttribute(ctx, path.Root("name"), name)...)
+	resp.Diagnostics.Append(resp.State.SetAttribute(ctx, path.Root("id"), policyNamespace+"/"+name)...)
+}
