@@ -6,7 +6,6 @@ package kubelet
 import (
 	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -43,23 +42,22 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	restart := cmpDuration(s.RestartDelay, 2*time.Second)
 	flagsFile := filepath.Join(s.Paths.KubeletDir, "kubeadm-flags.env")
 	configFile := filepath.Join(s.Paths.KubeletDir, "config.yaml")
-	waiting := false
+	lastWait := ""
 	for {
 		args, err := s.args(flagsFile, configFile)
-		switch {
-		case errors.Is(err, os.ErrNotExist):
-			if !waiting {
-				log.Info("waiting for kubeadm to write the kubelet's configuration", "file", configFile)
-				waiting = true
+		if err != nil {
+			// Missing, or still being written: kubeadm writes its files in place, so a reader can see one
+			// half-written. Either way the kubelet is not ready to start yet.
+			if err.Error() != lastWait {
+				log.Info("waiting for kubeadm to write the kubelet's configuration", "reason", err)
+				lastWait = err.Error()
 			}
 			if err := backoff.Sleep(ctx, poll); err != nil {
 				return err
 			}
 			continue
-		case err != nil:
-			return err
 		}
-		waiting = false
+		lastWait = ""
 		err = s.runOnce(ctx, log, args)
 		if ctx.Err() != nil {
 			return ctx.Err()

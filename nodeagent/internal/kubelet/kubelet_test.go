@@ -40,8 +40,17 @@ func TestSupervisor(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(paths.KubeletDir, "config.yaml"), []byte("kind: KubeletConfiguration\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// kubeadm writes its files in place: the supervisor may find the flags file empty before it is complete.
+	flags := filepath.Join(paths.KubeletDir, "kubeadm-flags.env")
+	if err := os.WriteFile(flags, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if _, err := os.Stat(record); err == nil {
+		t.Fatal("the kubelet started from an empty kubeadm-flags.env")
+	}
 	env := "KUBELET_KUBEADM_ARGS=\"--container-runtime-endpoint=unix:///run/containerd/containerd.sock --node-ip=10.0.0.5\"\n"
-	if err := os.WriteFile(filepath.Join(paths.KubeletDir, "kubeadm-flags.env"), []byte(env), 0o644); err != nil {
+	if err := os.WriteFile(flags, []byte(env), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	var runs []string
