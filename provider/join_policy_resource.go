@@ -18,11 +18,13 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
@@ -193,36 +195,42 @@ func (r *joinPolicyResource) client(diags *diag.Diagnostics) kubernetes.Interfac
 }
 
 func (r *joinPolicyResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {
+	r.write(ctx, req.Plan, &resp.State, &resp.Diagnostics, func(cms corev1client.ConfigMapInterface, name, data string) error {
+		cm := &corev1.ConfigMap{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: policyNamespace,
+				Labels: map[string]string{"app.kubernetes.io/managed-by": "terraform-provider-berth"}},
+			Data: map[string]string{policy.ConfigMapKey: data},
+		}
+		_, err := cms.Create(ctx, cm, metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("ConfigMap %s/%s exists (the init request may have published one). Import it: terraform import berth_join_policy.<name> %s",
+				policyNamespace, name, name)
+		}
+		return err
+	})
+}
+
+// write renders the planned policy, stores it in the cluster with store and records it in state.
+func (r *joinPolicyResource) write(ctx context.Context, plan tfsdk.Plan, state *tfsdk.State, diags *diag.Diagnostics,
+	store func(cms corev1client.ConfigMapInterface, name, data string) error) {
 	var m joinPolicyModel
-	resp.Diagnostics.Append(req.Plan.Get(ctx, &m)...)
-	kube := r.client(&resp.Diagnostics)
-	if resp.Diagnostics.HasError() {
+	diags.Append(plan.Get(ctx, &m)...)
+	kube := r.client(diags)
+	if diags.HasError() {
 		return
 	}
-	data, diags := m.render(ctx)
-	resp.Diagnostics.Append(diags...)
-	if resp.Diagnostics.HasError() {
+	data, d := m.render(ctx)
+	diags.Append(d...)
+	if diags.HasError() {
 		return
 	}
-	cm := &corev1.ConfigMap{
-		ObjectMeta: metav1.ObjectMeta{Name: m.Name.ValueString(), Namespace: policyNamespace,
-			Labels: map[string]string{"app.kubernetes.io/managed-by": "terraform-provider-berth"}},
-		Data: map[string]string{policy.ConfigMapKey: data},
-	}
-	_, err := kube.CoreV1().ConfigMaps(policyNamespace).Create(ctx, cm, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		resp.Diagnostics.AddError("Join policy exists already",
-			fmt.Sprintf("ConfigMap %s/%s exists (the init request may have published one). Import it: terraform import berth_join_policy.<name> %s",
-				policyNamespace, m.Name.ValueString(), m.Name.ValueString()))
-		return
-	}
-	if err != nil {
-		resp.Diagnostics.AddError("Writing the join policy", err.Error())
+	if err := store(kube.CoreV1().ConfigMaps(policyNamespace), m.Name.ValueString(), data); err != nil {
+		diags.AddError("Writing the join policy", err.Error())
 		return
 	}
 	m.ID = types.StringValue(policyNamespace + "/" + m.Name.ValueString())
 	m.YAML = types.StringValue(data)
-	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+	diags.Append(state.Set(ctx, &m)...)
 }
 
 // render is the policy's YAML, as the join services parse it.
@@ -302,31 +310,15 @@ func imagesValue(p *policy.Policy) (types.List, diag.Diagnostics) {
 }
 
 func (r *joinPolicyResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
-	var m joinPolicyModel
-	resp.Diagnostics.Append(req.Plan.Get(ctx, &m)...)
-	kube := r.client(&resp.Diagnostics)
-	if resp.Diagnostics.HasError() {
-		return
-	}
-	data, diags := m.render(ctx)
-	resp.Diagnostics.Append(diags...)
-	if resp.Diagnostics.HasError() {
-		return
-	}
-	cms := kube.CoreV1().ConfigMaps(policyNamespace)
-	cm, err := cms.Get(ctx, m.Name.ValueString(), metav1.GetOptions{})
-	if err != nil {
-		resp.Diagnostics.AddError("Reading the join policy", err.Error())
-		return
-	}
-	cm.Data = map[string]string{policy.ConfigMapKey: data}
-	if _, err := cms.Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
-		resp.Diagnostics.AddError("Writing the join policy", err.Error())
-		return
-	}
-	m.ID = types.StringValue(policyNamespace + "/" + m.Name.ValueString())
-	m.YAML = types.StringValue(data)
-	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+	r.write(ctx, req.Plan, &resp.State, &resp.Diagnostics, func(cms corev1client.ConfigMapInterface, name, data string) error {
+		cm, err := cms.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cm.Data = map[string]string{policy.ConfigMapKey: data}
+		_, err = cms.Update(ctx, cm, metav1.UpdateOptions{})
+		return err
+	})
 }
 
 func (r *joinPolicyResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
