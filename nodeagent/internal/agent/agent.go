@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"path/filepath"
 	"time"
 
 	"google.golang.org/grpc"
@@ -16,6 +17,7 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
@@ -248,7 +250,7 @@ func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.
 func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
 	srv, err := initserver.New(initserver.Config{
 		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
-		Kubeadm: a.deps.Kubeadm, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
+		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a, log}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
 			Kubelet: kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
@@ -270,6 +272,28 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	go gs.Serve(lis)
 	log.Info("init server listening", "address", lis.Addr().String())
 	return srv, func() { stopGracefully(gs, 30*time.Second) }, nil
+}
+
+// clusterRecorder publishes the cluster record right after kubeadm init. The API server answered kubeadm's
+// last phases a moment ago, so failures are retried only briefly: a node whose record cannot be written
+// fails its init rather than hand out a cluster Terraform could not recognize later.
+type clusterRecorder struct {
+	a   *Agent
+	log *slog.Logger
+}
+
+func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Info) error {
+	kube, err := r.a.deps.KubeClient(filepath.Join(r.a.cfg.Paths.KubernetesDir, "admin.conf"))
+	if err != nil {
+		return fmt.Errorf("publishing the cluster record: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error {
+		return clusterinfo.Publish(ctx, kube, info)
+	}, func(attempt int, err error, next time.Duration) {
+		r.log.Warn("publishing the cluster record failed; retrying", "attempt", attempt, "error", err, "retry_in", next)
+	})
 }
 
 func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger) *joinclient.Client {

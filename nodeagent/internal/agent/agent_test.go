@@ -20,6 +20,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
@@ -214,6 +215,9 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	if len(result.Kubeconfig) == 0 || len(progress) == 0 {
 		t.Fatalf("init result %v, progress %q", result, progress)
+	}
+	if info, err := clusterinfo.Read(ctx, kube); err != nil || info != (clusterinfo.Info{ID: result.ClusterId, Name: "boot"}) {
+		t.Errorf("cluster record after init: %+v (%v), want cluster %s named boot", info, err, result.ClusterId)
 	}
 
 	if err := worker.agent.Boot(ctx); err != nil {

@@ -36,6 +36,7 @@ var kubernetesVersion = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9
 // reason the request could have shown.
 type plan struct {
 	clusterID     string
+	clusterName   string
 	diskKey       []byte
 	kubeCA        *pki.CA
 	kubeCAKeyPEM  []byte
@@ -120,6 +121,7 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 	}
 	return &plan{
 		clusterID:     clusterID,
+		clusterName:   req.ClusterName,
 		diskKey:       diskKey,
 		kubeCA:        kubeCA,
 		kubeCAKeyPEM:  kubeKeyPEM,

@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
@@ -56,6 +57,11 @@ type Locker interface {
 // Disk is the state disk (statedisk.Disk).
 type Disk interface {
 	SetKey(ctx context.Context, initial, key []byte) error
+}
+
+// Recorder publishes the cluster's record (clusterinfo) with the admin kubeconfig kubeadm wrote.
+type Recorder interface {
+	RecordCluster(ctx context.Context, info clusterinfo.Info) error
 }
 
 // Defaults of Config's bounds.
@@ -88,6 +94,8 @@ type Config struct {
 	// init secret's hash.
 	Self    *metadata.Self
 	Kubeadm kubeadm.Runner
+	// Recorder writes the cluster's record into the new cluster before the client gets its result.
+	Recorder Recorder
 	// KubeadmInit holds this machine's kubeadm settings (image repository, skipped phases, kubelet); the
 	// server fills in the node, the request's cluster settings and the certificates directory.
 	KubeadmInit kubeadm.InitParams
@@ -131,8 +139,8 @@ var (
 // New checks cfg.
 func New(cfg Config) (*Server, error) {
 	switch {
-	case cfg.Prover == nil, cfg.Lock == nil, cfg.Disk == nil, cfg.Kubeadm == nil, cfg.Self == nil:
-		return nil, errors.New("init server: prover, lock, disk, kubeadm and own metadata are required")
+	case cfg.Prover == nil, cfg.Lock == nil, cfg.Disk == nil, cfg.Kubeadm == nil, cfg.Recorder == nil, cfg.Self == nil:
+		return nil, errors.New("init server: prover, lock, disk, kubeadm, recorder and own metadata are required")
 	case !cfg.Prepared.Fresh || len(cfg.Prepared.InitialKey) == 0:
 		return nil, errors.New("init server: the state disk is not fresh; a node that was keyed before cannot be initialized")
 	case cfg.Self.Instance.Role != metadata.RoleControlPlane:
@@ -355,6 +363,10 @@ func (s *Server) initialize(ctx context.Context, log *slog.Logger, p *plan, prog
 	if err != nil {
 		return nil, nil, fmt.Errorf("reading the admin kubeconfig kubeadm wrote: %w", err)
 	}
+	if err := s.cfg.Recorder.RecordCluster(ctx, clusterinfo.Info{ID: p.clusterID, Name: p.clusterName}); err != nil {
+		return nil, nil, err
+	}
+	log.Info("cluster record published", "configmap", clusterinfo.Namespace+"/"+clusterinfo.Name)
 
 	if err := nodestate.WriteSecrets(paths.State, p.secrets); err != nil {
 		return nil, nil, err

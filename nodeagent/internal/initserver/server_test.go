@@ -25,6 +25,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
@@ -185,10 +186,11 @@ func (f *fixture) newNode(t *testing.T, opts ...nodeOption) *node {
 			Instance: metadata.Instance{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{nodeAddr}},
 			UserData: metadata.UserData{ClusterName: "lab", JoinPort: 9443, InitSecretHash: f.hash},
 		},
-		Kubeadm: n.kubeadm,
-		Paths:   n.paths,
-		Timeout: 20 * time.Second,
-		Logger:  slog.New(slog.NewTextHandler(n.logs, nil)),
+		Kubeadm:  n.kubeadm,
+		Recorder: n.kubeadm,
+		Paths:    n.paths,
+		Timeout:  20 * time.Second,
+		Logger:   slog.New(slog.NewTextHandler(n.logs, nil)),
 	}
 	for _, o := range opts {
 		o(&cfg)
@@ -302,6 +304,9 @@ func TestInit(t *testing.T) {
 		}
 		checkDiskKeyed(t, n, req)
 		checkFiles(t, f, n, req, wantID)
+		if want := (clusterinfo.Info{ID: wantID, Name: req.ClusterName}); !slices.Equal(n.kubeadm.records, []clusterinfo.Info{want}) {
+			t.Errorf("cluster records published: %+v, want %+v", n.kubeadm.records, want)
+		}
 		select {
 		case <-n.srv.Done():
 		default:
@@ -341,6 +346,19 @@ func TestInit(t *testing.T) {
 		}
 		if _, err := n.volume.KeySlot(ctx, n.prepared.InitialKey); err != nil {
 			t.Errorf("the init server touched the disk of a joining node: %v", err)
+		}
+	})
+
+	t.Run("the cluster record cannot be published", func(t *testing.T) {
+		n := f.newNode(t)
+		n.kubeadm.recordFail = errors.New("the API server went away")
+		var lines []string
+		_, err := initclient.Init(ctx, n.client(f, f.request(t), &lines))
+		if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "the API server went away") {
+			t.Fatalf("error %v, want Internal naming why the record failed", err)
+		}
+		if _, err := nodestate.Read(n.paths.State); !errors.Is(err, nodestate.ErrNoState) {
+			t.Errorf("membership recorded although the cluster record is missing: %v", err)
 		}
 	})
 
@@ -646,8 +664,19 @@ type recorder struct {
 	// hold, if set, keeps init running after its first line until it is closed.
 	hold chan struct{}
 
-	mu   sync.Mutex
-	runs []run
+	// recordFail, if set, is what publishing the cluster record returns.
+	recordFail error
+
+	mu      sync.Mutex
+	runs    []run
+	records []clusterinfo.Info
+}
+
+func (r *recorder) RecordCluster(_ context.Context, info clusterinfo.Info) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.records = append(r.records, info)
+	return r.recordFail
 }
 
 type run struct {

@@ -51,7 +51,7 @@ func (l *Lab) startInitServer(t *testing.T, name string) *initTarget {
 		Prover: n.Prover, Lock: &nodestate.Lock{}, Disk: n.Disk, Prepared: prepared,
 		Self: &metadata.Self{Instance: metadata.Instance{Name: n.Name, Role: n.Role, Addresses: []netip.Addr{n.Addr}},
 			UserData: metadata.UserData{ClusterName: "lab", JoinPort: 1, JoinCAPin: l.doc.UserData.JoinCAPin, InitSecretHash: hash}},
-		Kubeadm: it.kubeadm, Paths: n.Paths, Logger: slog.New(slog.NewTextHandler(it.logs, nil)),
+		Kubeadm: it.kubeadm, Recorder: it.kubeadm, Paths: n.Paths, Logger: slog.New(slog.NewTextHandler(it.logs, nil)),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -27,6 +27,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
@@ -264,6 +265,9 @@ func (k *Kubeadm) Init(ctx context.Context, configPath string, progress func(str
 	k.mu.Unlock()
 	return nodestate.WriteFile(filepath.Join(k.KubernetesDir, "admin.conf"), []byte("apiVersion: v1\nkind: Config\n"), 0o600)
 }
+
+// RecordCluster accepts the cluster record an init publishes; the real record is written in the cluster lab.
+func (k *Kubeadm) RecordCluster(context.Context, clusterinfo.Info) error { return nil }
 
 // Join records the configuration it was given.
 func (k *Kubeadm) Join(ctx context.Context, configPath string, progress func(string)) error {
