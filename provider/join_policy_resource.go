@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"regexp"
 	"slices"
 	"strconv"
@@ -69,6 +70,31 @@ var imageAttrTypes = map[string]attr.Type{
 }
 
 var lowerHex64 = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
+// maxPCR is the highest PCR index of a TPM 2.0 PC client.
+const maxPCR = 23
+
+// pcrValues decodes a map of PCR index ("11") to SHA-256 value in lowercase hex, adding an error at at for
+// every entry that is not one.
+func pcrValues(ctx context.Context, m types.Map, at path.Path, diags *diag.Diagnostics) map[int][]byte {
+	var pcrs map[string]string
+	diags.Append(m.ElementsAs(ctx, &pcrs, false)...)
+	out := make(map[int][]byte, len(pcrs))
+	for _, k := range slices.Sorted(maps.Keys(pcrs)) {
+		idx, err := strconv.Atoi(k)
+		if err != nil || strconv.Itoa(idx) != k || idx < 0 || idx > maxPCR {
+			diags.AddAttributeError(at, "Invalid PCR index", fmt.Sprintf("PCR index %q is not a plain decimal number 0-%d.", k, maxPCR))
+			continue
+		}
+		if !lowerHex64.MatchString(pcrs[k]) {
+			diags.AddAttributeError(at.AtMapKey(k), "Invalid PCR value",
+				fmt.Sprintf("PCR %s must be 64 lowercase hex digits (a SHA-256 value), got %q.", k, pcrs[k]))
+			continue
+		}
+		out[idx], _ = hex.DecodeString(pcrs[k])
+	}
+	return out
+}
 
 func (r *joinPolicyResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
 	resp.TypeName = req.ProviderTypeName + "_join_policy"
@@ -139,32 +165,14 @@ func (m joinPolicyModel) policy(ctx context.Context) (*policy.Policy, diag.Diagn
 			known = false
 			continue
 		}
-		img := policy.Image{Name: im.Name.ValueString(), PCRs: map[int][]byte{}}
-		var roles, pcrKeys []string
+		img := policy.Image{Name: im.Name.ValueString()}
+		var roles []string
 		diags.Append(im.Roles.ElementsAs(ctx, &roles, false)...)
 		for _, r := range roles {
 			img.Roles = append(img.Roles, metadata.Role(r))
 		}
 		slices.Sort(img.Roles)
-		var pcrs map[string]string
-		diags.Append(im.PCRs.ElementsAs(ctx, &pcrs, false)...)
-		for k := range pcrs {
-			pcrKeys = append(pcrKeys, k)
-		}
-		slices.Sort(pcrKeys)
-		for _, k := range pcrKeys {
-			idx, err := strconv.Atoi(k)
-			if err != nil || strconv.Itoa(idx) != k {
-				diags.AddAttributeError(at.AtName("pcrs"), "Invalid PCR index", fmt.Sprintf("PCR index %q is not a plain decimal number 0-23.", k))
-				continue
-			}
-			if !lowerHex64.MatchString(pcrs[k]) {
-				diags.AddAttributeError(at.AtName("pcrs").AtMapKey(k), "Invalid PCR value",
-					fmt.Sprintf("PCR %s must be 64 lowercase hex digits (a SHA-256 value), got %q.", k, pcrs[k]))
-				continue
-			}
-			img.PCRs[idx], _ = hex.DecodeString(pcrs[k])
-		}
+		img.PCRs = pcrValues(ctx, im.PCRs, at.AtName("pcrs"), &diags)
 		if !im.Expires.IsNull() {
 			t, err := time.Parse(time.RFC3339, im.Expires.ValueString())
 			if err != nil || !strings.HasSuffix(im.Expires.ValueString(), "Z") {

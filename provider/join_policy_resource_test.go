@@ -94,7 +94,7 @@ func TestJoinPolicyResource(t *testing.T) {
 			{
 				Config:      joinPolicyConfig(kubeconfig, strings.Replace(imgB, `"9" =`, `"24" =`, 1)),
 				PlanOnly:    true,
-				ExpectError: regexp.MustCompile(`(?s)Invalid join policy.*24`),
+				ExpectError: regexp.MustCompile(`(?s)Invalid PCR index.*"24" is not a plain decimal number 0-23`),
 			},
 			{
 				Config:      joinPolicyConfig(kubeconfig, strings.Replace(imgB, pcr9, strings.ToUpper("aa"+pcr9[2:]), 1)),

@@ -98,7 +98,7 @@ func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureReq
 }
 
 func (p *berthProvider) Resources(context.Context) []func() resource.Resource {
-	return []func() resource.Resource{newSecretsResource, newJoinPolicyResource}
+	return []func() resource.Resource{newSecretsResource, newClusterResource, newJoinPolicyResource}
 }
 
 func (p *berthProvider) EphemeralResources(context.Context) []func() ephemeral.EphemeralResource {

@@ -104,8 +104,8 @@ func (r *secretsResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"cluster_id": computed("The cluster ID: 32 hex digits derived from the master secret and salt."),
 			"kubernetes_ca_certificate": computed("PEM certificate of the cluster's Kubernetes CA (a self-signed " +
 				"P-256 CA, common name `kubernetes`)."),
-			"join_ca_certificate": computed("PEM certificate of the join CA, which signs the certificates of the " +
-				"join service and the init server (common name `berth-join-ca`)."),
+			"join_ca_certificate": computed("PEM certificate of the join CA, which signs the join service" +
+				"'s certificates (common name `berth-join-ca`)."),
 			"kubernetes_ca_pin": computed("SPKI pin of the Kubernetes CA, `sha256:<64 hex>`, the form of kubeadm's " +
 				"`--discovery-token-ca-cert-hash`."),
 			"join_ca_pin": computed("SPKI pin of the join CA, `sha256:<64 hex>`; nodes get it in their user-data " +

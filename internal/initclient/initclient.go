@@ -234,3 +234,30 @@ func send(st stream, m *berthv1.InitClientMessage) error {
 	}
 	return err
 }
+
+// AwaitsInit reports whether a Berth init server answers at endpoint, that is, a node waits there to be
+// initialized. It asks for a quote of PCR 0 and hangs up when the evidence arrives, unverified: nothing is
+// sent to the node, and the answer means only that the node at endpoint is not (yet) a cluster member. An
+// error says why nothing answered.
+func AwaitsInit(ctx context.Context, endpoint string, timeout time.Duration) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	conn, err := grpc.NewClient(endpoint, rpc.DialOptions(tlsConfig(), netip.Addr{})...)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close()
+	st, err := berthv1.NewInitServiceClient(conn).Init(ctx)
+	if err != nil {
+		return false, err
+	}
+	hello := &berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{0}}}}
+	if err := send(st, hello); err != nil {
+		return false, err
+	}
+	msg, err := st.Recv()
+	if err != nil {
+		return false, err
+	}
+	return msg.GetEvidence() != nil, nil
+}

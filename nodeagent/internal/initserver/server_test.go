@@ -362,6 +362,18 @@ func TestInit(t *testing.T) {
 		}
 	})
 
+	t.Run("a node waiting for init is recognized", func(t *testing.T) {
+		n := f.newNode(t)
+		if ok, err := initclient.AwaitsInit(ctx, n.addr, 20*time.Second); !ok || err != nil {
+			t.Errorf("AwaitsInit on a fresh node = %v, %v; want true", ok, err)
+		}
+		n.idle()
+		n.checkUntouched(t)
+		if ok, err := initclient.AwaitsInit(ctx, "127.0.0.1:1", 5*time.Second); ok || err == nil {
+			t.Errorf("AwaitsInit where nothing listens = %v, %v; want false and why", ok, err)
+		}
+	})
+
 	t.Run("kubeadm fails after the lock", func(t *testing.T) {
 		n := f.newNode(t)
 		n.kubeadm.fail = errors.New("[wait-control-plane] timed out")
