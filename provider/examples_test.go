@@ -24,7 +24,7 @@ func TestExamplesValidate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dirs = append(dirs, "../examples/provider")
+	dirs = append(dirs, "../examples/provider", "../examples/lab")
 	if len(dirs) < 5 {
 		t.Fatalf("found %d example directories, want at least 5", len(dirs))
 	}
@@ -45,7 +45,7 @@ func TestExamplesValidate(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if filepath.Base(dir) != "provider" {
+			if base := filepath.Base(dir); base != "provider" && base != "lab" {
 				if err := os.WriteFile(filepath.Join(work, "versions.tf"), []byte(requiredProviders), 0o600); err != nil {
 					t.Fatal(err)
 				}

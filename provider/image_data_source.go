@@ -9,6 +9,7 @@ import (
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
@@ -29,6 +30,8 @@ type imageDataSourceModel struct {
 	Name   types.String `tfsdk:"name"`
 	Images []imageModel `tfsdk:"images"`
 	PCRs   types.Map    `tfsdk:"pcrs"`
+	// Components of the image called Name.
+	Components types.Map `tfsdk:"components"`
 }
 
 type imageModel struct {
@@ -63,7 +66,7 @@ func (d *imageDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, 
 			},
 			"name": schema.StringAttribute{
 				Optional:            true,
-				MarkdownDescription: "Name of one image in the manifest; its PCR values are then also in `pcrs`.",
+				MarkdownDescription: "Name of one image in the manifest; its PCR values and components are then also in `pcrs` and `components`.",
 			},
 			"images": schema.ListNestedAttribute{
 				Computed:            true,
@@ -79,7 +82,8 @@ func (d *imageDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, 
 					},
 				},
 			},
-			"pcrs": stringMap("PCR values of the image called `name`; null when `name` is not set."),
+			"pcrs":       stringMap("PCR values of the image called `name`; null when `name` is not set."),
+			"components": stringMap("Component versions of the image called `name` (`kubernetes`: the version `berth_cluster` initializes); null when `name` is not set."),
 		},
 	}
 }
@@ -110,7 +114,7 @@ func (d *imageDataSource) Read(ctx context.Context, req datasource.ReadRequest, 
 			Components: components,
 		}
 	}
-	m.PCRs = types.MapNull(types.StringType)
+	m.PCRs, m.Components = types.MapNull(types.StringType), types.MapNull(types.StringType)
 	if !m.Name.IsNull() {
 		img, ok := man.Image(m.Name.ValueString())
 		if !ok {
@@ -119,9 +123,11 @@ func (d *imageDataSource) Read(ctx context.Context, req datasource.ReadRequest, 
 					m.Path.ValueString(), m.Name.ValueString(), strings.Join(man.Names(), ", ")))
 			return
 		}
-		pcrs, diags := types.MapValueFrom(ctx, types.StringType, img.PCRs)
+		var diags diag.Diagnostics
+		m.PCRs, diags = types.MapValueFrom(ctx, types.StringType, img.PCRs)
 		resp.Diagnostics.Append(diags...)
-		m.PCRs = pcrs
+		m.Components, diags = types.MapValueFrom(ctx, types.StringType, nonNil(img.Components))
+		resp.Diagnostics.Append(diags...)
 	}
 	if resp.Diagnostics.HasError() {
 		return

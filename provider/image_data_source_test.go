@@ -59,6 +59,8 @@ data "berth_image" "qemu" {
 					resource.TestCheckResourceAttr("data.berth_image.all", "images.1.region", "eu-central-1"),
 					resource.TestCheckResourceAttr("data.berth_image.all", "images.1.components.%", "0"),
 					resource.TestCheckNoResourceAttr("data.berth_image.all", "pcrs.%"),
+					resource.TestCheckNoResourceAttr("data.berth_image.all", "components.%"),
+					resource.TestCheckResourceAttr("data.berth_image.qemu", "components.kubernetes", "v1.36.3"),
 					resource.TestCheckResourceAttr("data.berth_image.qemu", "pcrs.%", "2"),
 					resource.TestCheckResourceAttr("data.berth_image.qemu", "pcrs.4", pcr4),
 					resource.TestCheckResourceAttr("data.berth_image.qemu", "pcrs.11", pcr11),

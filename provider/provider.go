@@ -1,7 +1,7 @@
 // Package provider is Berth's Terraform provider: it makes a cluster's public secrets material
 // (berth_secrets), hands the secrets themselves to other resources only as ephemeral values, reads the
-// Packer image manifest (berth_image), renders node user-data (berth_node_config) and writes the join
-// policy into the cluster (berth_join_policy).
+// Packer image manifest (berth_image), renders node user-data (berth_node_config), initializes the cluster
+// on an attested first node (berth_cluster) and writes the join policy into it (berth_join_policy).
 //
 // Terraform state holds nothing secret: the operator keeps one root key and gives it through Terraform's
 // ephemeral channel (write-only arguments, ephemeral variables and resources); every secret and both CA keys
@@ -48,7 +48,8 @@ func (p *berthProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp
 	resp.Schema = schema.Schema{
 		MarkdownDescription: "Berth turns a baked VM image into a Kubernetes node that proves, by TPM attestation, " +
 			"what it runs before it gets any secret. This provider makes the cluster's CA certificates and pins " +
-			"from one root key, reads the Packer image manifest and renders node user-data.\n\n" +
+			"from one root key, reads the Packer image manifest, renders node user-data, initializes the cluster " +
+			"on its first control-plane node once that node has proved its image, and writes the join policy.\n\n" +
 			"Terraform state never holds a secret: the root key reaches the provider only through write-only " +
 			"arguments and ephemeral resources (Terraform 1.11 or later).",
 		Attributes: map[string]schema.Attribute{

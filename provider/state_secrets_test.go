@@ -95,25 +95,7 @@ func TestStateHoldsNoSecret(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	kubeKey, err := x509.MarshalPKCS8PrivateKey(secrets.KubernetesCAKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	joinKey, err := x509.MarshalPKCS8PrivateKey(secrets.JoinCAKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	forbidden := map[string][]byte{
-		"root key":                  root,
-		"master secret":             secrets.MasterSecret,
-		"salt":                      secrets.Salt,
-		"init secret":               []byte(secrets.InitSecret),
-		"init secret bytes":         mustDecodeRawURL(t, secrets.InitSecret),
-		"Kubernetes CA private key": scalar(t, secrets.KubernetesCAKey),
-		"join CA private key":       scalar(t, secrets.JoinCAKey),
-		"Kubernetes CA PKCS#8 key":  kubeKey,
-		"join CA PKCS#8 key":        joinKey,
-	}
+	forbidden := forbiddenSecrets(t, root)
 	searched := map[string][]byte{
 		"terraform show -json tfplan": planJSON,
 		"terraform show -json":        stateJSON,
@@ -124,15 +106,10 @@ func TestStateHoldsNoSecret(t *testing.T) {
 	for name, data := range unzip(t, filepath.Join(work, "tfplan")) {
 		searched["tfplan:"+name] = data
 	}
+	for _, leak := range findSecrets(searched, forbidden) {
+		t.Error(leak)
+	}
 	for name, text := range searched {
-		flat := unwrap(text)
-		for what, secret := range forbidden {
-			for _, form := range leakForms(secret) {
-				if bytes.Contains(text, []byte(form.text)) || bytes.Contains(flat, []byte(form.text)) {
-					t.Errorf("%s contains the %s (%s)", name, what, form.name)
-				}
-			}
-		}
 		if bytes.Contains(text, []byte("PRIVATE KEY")) {
 			t.Errorf("%s contains a PEM private key", name)
 		}
@@ -182,6 +159,50 @@ func unzip(t *testing.T, name string) map[string][]byte {
 }
 
 // leakForm is one spelling of a secret; name says which, so that a failure names it without printing it.
+// forbiddenSecrets are root's secrets, by name, in every form a provider could store them in.
+func forbiddenSecrets(t *testing.T, root []byte) map[string][]byte {
+	t.Helper()
+	secrets, err := clustersecrets.Derive(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeKey, err := x509.MarshalPKCS8PrivateKey(secrets.KubernetesCAKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	joinKey, err := x509.MarshalPKCS8PrivateKey(secrets.JoinCAKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return map[string][]byte{
+		"root key":                  root,
+		"master secret":             secrets.MasterSecret,
+		"salt":                      secrets.Salt,
+		"init secret":               []byte(secrets.InitSecret),
+		"init secret bytes":         mustDecodeRawURL(t, secrets.InitSecret),
+		"Kubernetes CA private key": scalar(t, secrets.KubernetesCAKey),
+		"join CA private key":       scalar(t, secrets.JoinCAKey),
+		"Kubernetes CA PKCS#8 key":  kubeKey,
+		"join CA PKCS#8 key":        joinKey,
+	}
+}
+
+// findSecrets says which forbidden secret appears in which searched text, in any of its leak forms.
+func findSecrets(searched, forbidden map[string][]byte) []string {
+	var found []string
+	for name, text := range searched {
+		flat := unwrap(text)
+		for what, secret := range forbidden {
+			for _, form := range leakForms(secret) {
+				if bytes.Contains(text, []byte(form.text)) || bytes.Contains(flat, []byte(form.text)) {
+					found = append(found, fmt.Sprintf("%s contains the %s (%s)", name, what, form.name))
+				}
+			}
+		}
+	}
+	return found
+}
+
 type leakForm struct{ name, text string }
 
 // leakForms lists the spellings in which secret could appear in a text: as it is, in hex, and in base64

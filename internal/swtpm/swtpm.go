@@ -58,6 +58,17 @@ func NewCA(dir string) (*CA, error) {
 	return ca, nil
 }
 
+// OpenCA reopens a CA that NewCA prepared in dir, as another process does that manufactures TPMs with it;
+// swtpm_localca locks its serial-number file itself, so processes may manufacture at the same time.
+func OpenCA(dir string) (*CA, error) {
+	for _, name := range []string{"setup.conf", "localca.conf", "localca.options", "signkey.pem", "issuercert.pem", "swtpm-localca-rootca-cert.pem"} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			return nil, fmt.Errorf("opening EK CA %s: %w", dir, err)
+		}
+	}
+	return &CA{Dir: dir, setupConf: filepath.Join(dir, "setup.conf")}, nil
+}
+
 // Manufacture makes a TPM 2.0 state in the existing directory state, with RSA and ECC EK certificates
 // signed by the CA.
 func (ca *CA) Manufacture(state string) error {

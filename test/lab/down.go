@@ -16,7 +16,7 @@ func Down(ctx context.Context, dir string) error {
 		return errors.New("taking the lab down needs root")
 	}
 	var errs []error
-	if left := killLabProcesses(15 * time.Second); len(left) > 0 {
+	if left := killProcesses("", 15*time.Second); len(left) > 0 {
 		errs = append(errs, fmt.Errorf("processes still alive after SIGKILL: %v", left))
 	}
 	for _, ns := range labNetns() {
@@ -34,7 +34,7 @@ func Down(ctx context.Context, dir string) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := removeCgroups(); err != nil {
+	if err := removeCgroups(""); err != nil {
 		errs = append(errs, fmt.Errorf("cgroups: %w", err))
 	}
 	if data, err := os.ReadFile(dir + "/host-dirs"); err == nil {
@@ -54,7 +54,7 @@ func Down(ctx context.Context, dir string) error {
 // Leftovers lists what of a lab is still on the host; empty after Down.
 func Leftovers(dir string) []string {
 	var out []string
-	for _, p := range cgroupPIDs() {
+	for _, p := range cgroupPIDs("") {
 		out = append(out, fmt.Sprintf("process %d", p))
 	}
 	for _, ns := range labNetns() {

@@ -144,10 +144,10 @@ func cgroupScript(rel string) (string, error) {
 	return b.String(), nil
 }
 
-// cgroupPIDs are the processes in /berthlab and below, from the pids hierarchy.
-func cgroupPIDs() []int {
+// cgroupPIDs are the processes in /berthlab/<rel> and below ("" for the whole lab), from the pids hierarchy.
+func cgroupPIDs(rel string) []int {
 	var pids []int
-	filepath.WalkDir(filepath.Join(cgroupRoot, "pids", cgroupParent), func(path string, d os.DirEntry, err error) error {
+	filepath.WalkDir(filepath.Join(cgroupRoot, "pids", cgroupParent, rel), func(path string, d os.DirEntry, err error) error {
 		if err != nil || !d.IsDir() {
 			return nil
 		}
@@ -162,27 +162,29 @@ func cgroupPIDs() []int {
 	return pids
 }
 
-// killLabProcesses stops every process in the lab's cgroups: SIGTERM, then SIGKILL for what remains.
-func killLabProcesses(grace time.Duration) []int {
-	pids := cgroupPIDs()
+// killProcesses stops every process in /berthlab/<rel> and below: SIGTERM, then SIGKILL for what remains.
+// It returns the processes still there.
+func killProcesses(rel string, grace time.Duration) []int {
+	pids := cgroupPIDs(rel)
 	for _, p := range pids {
 		syscall.Kill(p, syscall.SIGTERM)
 	}
 	deadline := time.Now().Add(grace)
-	for len(cgroupPIDs()) > 0 && time.Now().Before(deadline) {
+	for len(cgroupPIDs(rel)) > 0 && time.Now().Before(deadline) {
 		time.Sleep(100 * time.Millisecond)
 	}
-	for i := 0; i < 20 && len(cgroupPIDs()) > 0; i++ {
-		for _, p := range cgroupPIDs() {
+	for i := 0; i < 20 && len(cgroupPIDs(rel)) > 0; i++ {
+		for _, p := range cgroupPIDs(rel) {
 			syscall.Kill(p, syscall.SIGKILL)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return cgroupPIDs()
+	return cgroupPIDs(rel)
 }
 
-// removeCgroups deletes /berthlab and everything below it in every hierarchy, deepest first.
-func removeCgroups() error {
+// removeCgroups deletes /berthlab/<rel> ("" for the whole lab) and everything below it in every hierarchy,
+// deepest first.
+func removeCgroups(rel string) error {
 	ctrls, err := cgroupControllers()
 	if err != nil {
 		return err
@@ -190,7 +192,7 @@ func removeCgroups() error {
 	var errs []error
 	for _, c := range ctrls {
 		var dirs []string
-		filepath.WalkDir(filepath.Join(cgroupRoot, c, cgroupParent), func(path string, d os.DirEntry, err error) error {
+		filepath.WalkDir(filepath.Join(cgroupRoot, c, cgroupParent, rel), func(path string, d os.DirEntry, err error) error {
 			if err == nil && d.IsDir() {
 				dirs = append(dirs, path)
 			}
@@ -201,6 +203,22 @@ func removeCgroups() error {
 			if err := os.Remove(d); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeNodeNetwork deletes a node's veth (both ends) and network namespace, if they exist.
+func removeNodeNetwork(ctx context.Context, node string) error {
+	var errs []error
+	if _, err := run(ctx, "ip", "link", "show", vethPrefix+node); err == nil {
+		if _, err := run(ctx, "ip", "link", "del", vethPrefix+node); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if _, err := os.Stat("/run/netns/" + netnsPrefix + node); err == nil {
+		if _, err := run(ctx, "ip", "netns", "del", netnsPrefix+node); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)

@@ -16,11 +16,12 @@ const (
 	WorkloadImage = "berthlab.local/sleeper:v1"
 )
 
+// imageSet is where buildImages wrote the images; lab.json keeps it for the processes that add nodes.
 type imageSet struct {
-	pause        string
-	pauseTar     string
-	workloadTar  string
-	controlPlane []string
+	Pause        string   `json:"pause"`
+	PauseTar     string   `json:"pauseTar"`
+	WorkloadTar  string   `json:"workloadTar"`
+	ControlPlane []string `json:"controlPlane"`
 }
 
 // buildImages makes the control-plane images from the built binaries, and the pause and workload images
@@ -31,8 +32,9 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	}
 	pauseBin := filepath.Join(dir, "pause")
 	_, file, _, _ := runtime.Caller(0)
-	if _, err := runEnv(ctx, []string{"CGO_ENABLED=0"}, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", pauseBin,
-		filepath.Join(filepath.Dir(file), "pause")); err != nil {
+	// -C: the command may run outside the module (from Terraform's working directory, say).
+	if _, err := runEnv(ctx, []string{"CGO_ENABLED=0"}, "go", "build", "-C", filepath.Join(filepath.Dir(file), "pause"),
+		"-trimpath", "-ldflags=-s -w", "-o", pauseBin, "."); err != nil {
 		return imageSet{}, err
 	}
 	path := "PATH=/usr/local/bin:/usr/bin:/bin"
@@ -47,7 +49,7 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
 		images = append(images, Image{Name: "registry.k8s.io/" + c + ":" + KubernetesVersion, Files: []ImageFile{bin(c)}, Env: []string{path}})
 	}
-	set := imageSet{pause: pauseImage}
+	set := imageSet{Pause: pauseImage}
 	for _, img := range images {
 		name := strings.NewReplacer("/", "_", ":", "_").Replace(img.Name) + ".tar"
 		tarPath := filepath.Join(dir, name)
@@ -64,11 +66,11 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 		}
 		switch img.Name {
 		case pauseImage:
-			set.pauseTar = tarPath
+			set.PauseTar = tarPath
 		case WorkloadImage:
-			set.workloadTar = tarPath
+			set.WorkloadTar = tarPath
 		default:
-			set.controlPlane = append(set.controlPlane, tarPath)
+			set.ControlPlane = append(set.ControlPlane, tarPath)
 		}
 	}
 	return set, nil

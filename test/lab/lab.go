@@ -1,9 +1,12 @@
 // Package lab runs a real Berth cluster on one machine: every node is a network namespace with its own
 // address on a lab bridge, a private mount namespace, its own swtpm with an EK certificate, its own LUKS2
-// state-disk image, containerd and the real berth-agent in boot mode. The first control-plane node is
-// initialized through the attested init client, exactly as the Terraform provider does it; every other node
-// joins by itself. Kubernetes runs from binaries built from its Go modules and images built locally from
-// them, so nothing is pulled from anywhere.
+// state-disk image, containerd and the real berth-agent in boot mode. Kubernetes runs from binaries built
+// from its Go modules and images built locally from them, so nothing is pulled from anywhere.
+//
+// A lab is a host (StartHost: bridge, images, EK CA, image manifest, metadata service) and machines added
+// and removed by separate processes (AddNode, RemoveNode), as Terraform creates nodes one resource at a
+// time; all its state lives in its directory. Up does it all in one process and also initializes the first
+// control-plane node through the attested init client, exactly as the Terraform provider does.
 //
 // The lab needs root. Everything it makes carries the prefix "berthlab" (bridge, namespaces, veths,
 // cgroups) and lives under its directory, so Down finds and removes all of it.
@@ -12,15 +15,17 @@ package lab
 import (
 	"context"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -36,7 +41,8 @@ import (
 	"github.com/berthlabs/berth/internal/swtpm"
 )
 
-// QuotedPCRs are the PCRs the lab's nodes quote and its policy pins; a fresh swtpm has them all zero.
+// QuotedPCRs are the PCRs the lab's nodes quote and its policy pins; a fresh swtpm has them all zero, and
+// the lab's firmware extends PCR 11 (see PredictedPCRs).
 var QuotedPCRs = []int{0, 4, 7, 9, 11}
 
 // Ports of the lab's services.
@@ -49,12 +55,37 @@ const (
 // KubernetesVersion is what the lab runs.
 const KubernetesVersion = "v1.36.3"
 
-// Config is a lab to bring up.
-type Config struct {
-	Dir         string // the lab's directory (node disks, logs, secrets); removed by Down
+// The lab's network: the host's side of the bridge, and where its metadata service listens.
+var (
+	labSubnet = netip.MustParsePrefix("10.250.0.0/24")
+	hostAddr  = netip.MustParseAddr("10.250.0.1")
+	metaAddr  = net.JoinHostPort(hostAddr.String(), strconv.Itoa(metadataPort))
+)
+
+// Files of the lab's directory that other processes read.
+const (
+	hostFile     = "lab.json"
+	manifestFile = "berth-image.json"
+	ekCAFile     = "ek-ca.pem"
+	documentFile = "metadata.json"
+	lockFile     = "lab.lock"
+)
+
+// HostConfig is the lab's host: what all its nodes share.
+type HostConfig struct {
+	Dir         string // the lab's directory (node disks, logs, manifest, metadata); removed by Down
 	KubeBin     string // directory with kubeadm, kubelet, kubectl, kube-apiserver, … and etcd
 	AgentBinary string // berth-agent
 	LabBinary   string // this lab's own command, which serves the metadata
+	Progress    io.Writer
+}
+
+// Config is a whole lab for Up: its host (fields as in HostConfig), its nodes, and the init of the first.
+type Config struct {
+	Dir         string
+	KubeBin     string
+	AgentBinary string
+	LabBinary   string
 	Nodes       []NodeSpec
 	Progress    io.Writer
 }
@@ -70,38 +101,53 @@ var DefaultNodes = []NodeSpec{
 	{"cp-0", metadata.RoleControlPlane}, {"worker-0", metadata.RoleWorker}, {"worker-1", metadata.RoleWorker},
 }
 
-// Lab is a running lab.
+// Lab is a lab's host and the nodes this process knows of. Its state lives in its directory, so that
+// separate processes can add and remove nodes (see AddNode) and Open can pick it up again.
 type Lab struct {
-	cfg      Config
-	subnet   netip.Prefix
-	hostAddr netip.Addr
-	metaAddr string
-	ekCA     *swtpm.CA
-	images   imageSet
-	Nodes    []*Node
-	// Kubeconfig is the admin kubeconfig the init returned, rewritten for the host.
+	cfg    HostConfig
+	ekCA   *swtpm.CA
+	images imageSet
+	Nodes  []*Node
+	// Progress, if set, receives a line for each step.
+	Progress io.Writer
+	// Kubeconfig is the admin kubeconfig: the one the init returned, rewritten for the host, after Up.
 	Kubeconfig string
-	KubeCA     *pki.CA
-	JoinCA     *pki.CA
-	Timings    map[string]time.Duration
-	start      time.Time
+	// KubeCA and JoinCA are the cluster's CAs, made by Up.
+	KubeCA  *pki.CA
+	JoinCA  *pki.CA
+	Timings map[string]time.Duration
+	start   time.Time
+}
+
+// hostState is lab.json: what a later process needs to add nodes to the host.
+type hostState struct {
+	KubeBin     string   `json:"kubeBin"`
+	AgentBinary string   `json:"agentBinary"`
+	LabBinary   string   `json:"labBinary"`
+	Images      imageSet `json:"images"`
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
 
+// ManifestPath is the lab's berth-image.json, for Terraform's berth_image data source.
+func (l *Lab) ManifestPath() string { return l.path(manifestFile) }
+
+// EKCAPath is the bundle of the EK CA (root and intermediate) that signed every node's EK certificate.
+func (l *Lab) EKCAPath() string { return l.path(ekCAFile) }
+
 func (l *Lab) progress(format string, args ...any) {
-	if l.cfg.Progress != nil {
-		fmt.Fprintf(l.cfg.Progress, "[%6.1fs] %s\n", time.Since(l.start).Seconds(), fmt.Sprintf(format, args...))
+	if l.Progress != nil {
+		fmt.Fprintf(l.Progress, "[%6.1fs] %s\n", time.Since(l.start).Seconds(), fmt.Sprintf(format, args...))
 	}
 }
 
-// podSubnet is the node's share of the cluster's pod network.
-func (l *Lab) podSubnet(n *Node) netip.Prefix {
-	i := slices.Index(l.Nodes, n)
-	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, byte(i + 1), 0}), 24)
+// podSubnet is the node's share of the cluster's pod network, from its address, so that nodes added by
+// separate processes never share one.
+func podSubnet(addr netip.Addr) netip.Prefix {
+	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, addr.As4()[3], 0}), 24)
 }
 
-// Node is the lab node called name.
+// Node is the lab node called name, if this process knows it.
 func (l *Lab) Node(name string) *Node {
 	for _, n := range l.Nodes {
 		if n.Name == name {
@@ -128,44 +174,54 @@ func (l *Lab) ensureHostDir(dir string) error {
 	return err
 }
 
-// Up brings the lab up: host network, images, nodes; then it initializes the first control-plane node and
-// waits until every node is Ready.
-func Up(ctx context.Context, cfg Config) (*Lab, error) {
+// StartHost sets up what every node of a lab shares: cgroups, the bridge, the images, the EK CA, the image
+// manifest and the metadata service (with no instances yet). It refuses a directory that exists. On error
+// the returned Lab, if any, is what was made so far; Down removes it.
+func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("the lab needs root: it makes network and mount namespaces, cgroups and LUKS images")
 	}
-	if len(cfg.Nodes) == 0 || cfg.Nodes[0].Role != metadata.RoleControlPlane {
-		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
+	for _, p := range []*string{&cfg.Dir, &cfg.KubeBin, &cfg.AgentBinary, &cfg.LabBinary} {
+		if *p == "" {
+			return nil, errors.New("the lab's directory, Kubernetes binaries, berth-agent and berth-lab must all be given")
+		}
+		// Later processes (node up, the nodes' own) may run from another directory.
+		abs, err := filepath.Abs(*p)
+		if err != nil {
+			return nil, err
+		}
+		*p = abs
 	}
-	l := &Lab{cfg: cfg, start: time.Now(), Timings: map[string]time.Duration{},
-		subnet: netip.MustParsePrefix("10.250.0.0/24"), hostAddr: netip.MustParseAddr("10.250.0.1")}
-	l.metaAddr = net.JoinHostPort(l.hostAddr.String(), fmt.Sprint(metadataPort))
 	if _, err := os.Stat(cfg.Dir); err == nil {
 		return nil, fmt.Errorf("%s exists: a lab is up already, or was not taken down (make lab-down)", cfg.Dir)
 	}
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, err
 	}
-	if err := l.up(ctx); err != nil {
-		return l, err
-	}
-	return l, nil
+	l := &Lab{cfg: cfg, Progress: cfg.Progress, start: time.Now(), Timings: map[string]time.Duration{}}
+	return l, l.startHost(ctx)
 }
 
-func (l *Lab) up(ctx context.Context) error {
-	l.progress("host: bridge %s with %s", bridgeName, l.hostAddr)
+func (l *Lab) startHost(ctx context.Context) error {
+	l.progress("host: bridge %s with %s", bridgeName, hostAddr)
 	if err := makeCgroup("host"); err != nil {
 		return fmt.Errorf("cgroups: %w", err)
 	}
-	if err := setupBridge(ctx, netip.PrefixFrom(l.hostAddr, l.subnet.Bits()).String()); err != nil {
+	if err := setupBridge(ctx, netip.PrefixFrom(hostAddr, labSubnet.Bits()).String()); err != nil {
 		return err
+	}
+	// Made once here, so that nodes added at the same time never race on them.
+	for _, target := range nodeMounts {
+		if err := l.ensureHostDir(target); err != nil {
+			return err
+		}
 	}
 	l.progress("images: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, test workload")
 	var err error
 	if l.images, err = buildImages(ctx, l.cfg.KubeBin, l.path("images")); err != nil {
 		return fmt.Errorf("images: %w", err)
 	}
-	l.progress("cluster secrets, CAs and EK CA (as terraform's berth_secrets makes them)")
+	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(ImageNames, ", "))
 	if l.ekCA, err = swtpm.NewCA(l.path("ek-ca")); err != nil {
 		return err
 	}
@@ -173,38 +229,92 @@ func (l *Lab) up(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(l.path("ek-ca.pem"), bundle, 0o644); err != nil {
+	if err := os.WriteFile(l.EKCAPath(), bundle, 0o644); err != nil {
 		return err
 	}
+	if err := writeJSON(l.ManifestPath(), imageManifest()); err != nil {
+		return err
+	}
+	doc := &metadata.Document{Instances: []metadata.Instance{}}
+	if err := writeJSON(l.path(documentFile), doc); err != nil {
+		return err
+	}
+	if err := l.writeHosts(doc); err != nil {
+		return err
+	}
+	if err := l.startMetadata(); err != nil {
+		return err
+	}
+	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
+		LabBinary: l.cfg.LabBinary, Images: l.images})
+}
+
+// Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
+func Open(dir string) (*Lab, error) {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, err
+	}
+	data, err := os.ReadFile(filepath.Join(dir, hostFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("no lab host in %s (berth-lab host makes one)", dir)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var st hostState
+	if err := json.Unmarshal(data, &st); err != nil {
+		return nil, fmt.Errorf("reading %s: %w", filepath.Join(dir, hostFile), err)
+	}
+	ca, err := swtpm.OpenCA(filepath.Join(dir, "ek-ca"))
+	if err != nil {
+		return nil, err
+	}
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary},
+		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
+	doc, err := readDocument(l.path(documentFile))
+	if err != nil {
+		return nil, err
+	}
+	for _, inst := range doc.Instances {
+		n := l.newNode(Machine{Name: inst.Name, Role: inst.Role, Addr: inst.Addresses[0], Image: inst.ImageID})
+		if err := n.load(); err != nil {
+			return nil, fmt.Errorf("node %s: %w", n.Name, err)
+		}
+		l.Nodes = append(l.Nodes, n)
+	}
+	return l, nil
+}
+
+// Up brings a whole lab up in this process: the host, the nodes, the attested init of the first node (which
+// must be a control-plane node), and waits until every node is Ready.
+func Up(ctx context.Context, cfg Config) (*Lab, error) {
+	if len(cfg.Nodes) == 0 || cfg.Nodes[0].Role != metadata.RoleControlPlane {
+		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
+	}
+	l, err := StartHost(ctx, HostConfig{Dir: cfg.Dir, KubeBin: cfg.KubeBin, AgentBinary: cfg.AgentBinary,
+		LabBinary: cfg.LabBinary, Progress: cfg.Progress})
+	if err != nil {
+		return l, err
+	}
+	return l, l.up(ctx, cfg.Nodes)
+}
+
+func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
+	l.progress("cluster secrets and CAs (as terraform's berth_secrets makes them)")
 	secrets, err := newSecrets()
 	if err != nil {
 		return err
 	}
 	l.KubeCA, l.JoinCA = secrets.kubeCA, secrets.joinCA
-
-	for i, spec := range l.cfg.Nodes {
-		addr := netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + i)})
-		l.Nodes = append(l.Nodes, &Node{Name: spec.Name, Role: spec.Role, Addr: addr, Dir: l.path("nodes/" + spec.Name), lab: l})
-	}
-	if err := l.startMetadata(secrets.initHash); err != nil {
-		return err
-	}
-	hosts := "127.0.0.1 localhost\n" + l.hostAddr.String() + " berthlab-host\n"
-	for _, n := range l.Nodes {
-		hosts += n.Addr.String() + " " + n.Name + "\n"
-	}
-	if err := os.WriteFile(l.path("hosts"), []byte(hosts), 0o644); err != nil {
-		return err
-	}
-	for _, n := range l.Nodes {
-		l.progress("%s: namespaces, mounts, swtpm, LUKS2 state image", n.Name)
-		if err := n.create(ctx); err != nil {
-			return fmt.Errorf("node %s: %w", n.Name, err)
+	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
+		InitSecretHash: secrets.initHash}
+	for i, spec := range specs {
+		m := Machine{Name: spec.Name, Role: spec.Role, Addr: netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + i)}),
+			Image: ImageNames[0], UserData: userData}
+		if _, err := l.AddNode(ctx, m); err != nil {
+			return err
 		}
-		if err := n.powerOn(ctx); err != nil {
-			return fmt.Errorf("node %s: %w", n.Name, err)
-		}
-		l.progress("%s: berth-agent boot", n.Name)
 	}
 
 	cp := l.Nodes[0]
@@ -220,41 +330,9 @@ func (l *Lab) up(ctx context.Context) error {
 	if err := os.WriteFile(l.Kubeconfig, result.Kubeconfig, 0o600); err != nil {
 		return err
 	}
+	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
+	defer cancel()
 	return l.WaitReady(ctx, l.Nodes)
-}
-
-// powerOn starts a node as a machine that is switched on: a fresh mount namespace over its persistent
-// directories, empty /run, then swtpm, containerd and berth-agent.
-func (n *Node) powerOn(ctx context.Context) error {
-	for _, d := range []string{"fs/run/containerd", "fs/run/netns"} {
-		if err := os.RemoveAll(n.path(d)); err != nil {
-			return err
-		}
-	}
-	if err := n.mountNamespace(ctx); err != nil {
-		return err
-	}
-	images := []string{n.lab.images.pauseTar, n.lab.images.workloadTar}
-	if n.Role == metadata.RoleControlPlane {
-		images = append(images, n.lab.images.controlPlane...)
-	}
-	if err := n.startDaemons(ctx, images); err != nil {
-		return err
-	}
-	return n.boot()
-}
-
-// PowerOff stops everything the node runs, its mount namespace included, as a power loss would; its
-// disks (directories, state image, TPM state) stay.
-func (n *Node) PowerOff() {
-	n.stop(10 * time.Second)
-	syscall.Kill(n.holder, syscall.SIGKILL)
-}
-
-// Reboot powers the node off and on again.
-func (n *Node) Reboot(ctx context.Context) error {
-	n.PowerOff()
-	return n.powerOn(ctx)
 }
 
 type labSecrets struct {
@@ -289,17 +367,9 @@ func newSecrets() (*labSecrets, error) {
 	return s, nil
 }
 
-// startMetadata runs the lab's instance-metadata service as a daemon on the host side of the bridge.
-func (l *Lab) startMetadata(initHash string) error {
-	doc := metadata.Document{UserData: metadata.UserData{
-		ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert), InitSecretHash: initHash,
-	}}
-	for _, n := range l.Nodes {
-		doc.Instances = append(doc.Instances, metadata.Instance{Name: n.Name, Role: n.Role, Addresses: []netip.Addr{n.Addr}})
-	}
-	if err := writeJSON(l.path("metadata.json"), doc); err != nil {
-		return err
-	}
+// startMetadata runs the lab's instance-metadata service as a daemon on the host side of the bridge; it
+// serves whatever metadata.json holds at each request.
+func (l *Lab) startMetadata() error {
 	out, err := os.Create(l.path("metadata.log"))
 	if err != nil {
 		return err
@@ -310,7 +380,7 @@ func (l *Lab) startMetadata(initHash string) error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command("sh", "-c", script, "sh", l.cfg.LabBinary, "metadata", "--document", l.path("metadata.json"), "--listen", l.metaAddr)
+	cmd := exec.Command("sh", "-c", script, "sh", l.cfg.LabBinary, "metadata", "--document", l.path(documentFile), "--listen", metaAddr)
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -318,12 +388,12 @@ func (l *Lab) startMetadata(initHash string) error {
 	}
 	go cmd.Wait()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		c, err := net.Dial("tcp", l.metaAddr)
+		c, err := net.Dial("tcp", metaAddr)
 		if err == nil {
 			return c.Close()
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("metadata service did not listen on %s (see %s)", l.metaAddr, l.path("metadata.log"))
+			return fmt.Errorf("metadata service did not listen on %s (see %s)", metaAddr, l.path("metadata.log"))
 		}
 	}
 }
@@ -335,13 +405,11 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 	if err != nil {
 		return nil, err
 	}
-	expected := map[int][]byte{}
-	pcrs := map[int][]byte{}
-	for _, i := range QuotedPCRs {
-		expected[i] = make([]byte, 32)
-		pcrs[i] = make([]byte, 32)
-	}
-	pol, err := (&policy.Policy{Images: []policy.Image{{Name: "lab-swtpm", PCRs: pcrs,
+	// The image's measurements come from the manifest's prediction, as terraform's berth_cluster takes them
+	// from berth_image: a node whose PCR 11 differs fails the init here.
+	image := ImageNames[0]
+	expected := PredictedPCRs(image)
+	pol, err := (&policy.Policy{Images: []policy.Image{{Name: image, PCRs: PredictedPCRs(image),
 		Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}}}}).Marshal()
 	if err != nil {
 		return nil, err
@@ -374,7 +442,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 func (l *Lab) nodeFailure(n *Node, step string, err error) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "node %s, step %s: %v", n.Name, step, err)
-	for _, log := range []string{"logs/agent.log", "fs/var/lib/berth/kubelet.log", "logs/containerd.log"} {
+	for _, log := range []string{"logs/agent.log", "fs/var/lib/berth/kubelet.log", "logs/containerd.log", "logs/swtpm.log"} {
 		if tail := tailFile(n.path(log), 25); tail != "" {
 			fmt.Fprintf(&b, "\n--- %s: last lines of %s ---\n%s", n.Name, n.path(log), tail)
 		}

@@ -13,13 +13,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
 // TestLab brings up a real cluster (two control-plane nodes, two workers), runs a pod, reboots a worker,
 // and takes the lab down again, checking on the way what issue 3 asks: real kubeadm init and join, the
 // workers' kubelet certificates are the join service's, the second control plane serves, a reboot unlocks
-// the disk by a rejoin ticket without a new join, and nothing is left on the host afterwards.
+// the disk by a rejoin ticket without a new join (its TPM measured again), another process finds the lab
+// Ready from its directory (berth-lab wait), and nothing is left on the host afterwards. Every node
+// attests against the image manifest's predicted PCRs.
 func TestLab(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
@@ -44,6 +47,17 @@ func TestLab(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The init attested cp-0 against the manifest's prediction for berthlab-a (PCR 11 included), and every
+	// other node joined under a policy that admits only that prediction: the manifest is what they quote.
+	data, err := os.ReadFile(l.ManifestPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := manifest.Parse(data)
+	if err != nil {
+		t.Fatalf("%s: %v", l.ManifestPath(), err)
+	}
+	checkManifest(t, m)
 
 	issued := issuedSerials(t, l)
 	for _, name := range []string{"worker-0", "worker-1"} {
@@ -63,11 +77,11 @@ func TestLab(t *testing.T) {
 		}
 	}
 	// A joining kubelet that bootstrapped its own certificate would have left a CSR behind.
-	out, err := l.Kubectl(ctx, "get", "csr", "-o", "jsonpath={.items[*].spec.username}")
+	csrs, err := l.Kubectl(ctx, "get", "csr", "-o", "jsonpath={.items[*].spec.username}")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, user := range strings.Fields(out) {
+	for _, user := range strings.Fields(csrs) {
 		if strings.HasPrefix(user, "system:bootstrap:") || strings.HasPrefix(user, "system:node:worker-") {
 			t.Errorf("a joining node asked for its own certificate (CSR by %s); kubelets must use the join service's", user)
 		}
@@ -95,6 +109,7 @@ func TestLab(t *testing.T) {
 	if err := l.WaitRestarted(ctx, w, since); err != nil {
 		t.Fatal(err)
 	}
+	// The rebooted worker rejoined under the policy: its swtpm came back with fresh PCRs and was measured again.
 	log, err := os.ReadFile(w.path("logs/agent.log"))
 	if err != nil {
 		t.Fatal(err)
@@ -104,6 +119,17 @@ func TestLab(t *testing.T) {
 	}
 	if n := strings.Count(string(log), `"msg":"running kubeadm"`); n != 1 {
 		t.Errorf("kubeadm ran %d times on worker-1 over two boots, want once (no new join after a reboot)", n)
+	}
+	// Another process picks the lab up from its directory, rebooted worker included, and finds it Ready.
+	out, err := exec.CommandContext(ctx, labBin, "wait", "--dir", dir, "--kubeconfig", l.Kubeconfig, "--timeout", "2m").CombinedOutput()
+	if err != nil {
+		t.Fatalf("berth-lab wait: %v\n%s", err, out)
+	}
+	t.Logf("berth-lab wait:\n%s", out)
+	for _, n := range l.Nodes {
+		if !strings.Contains(string(out), "\n"+n.Name+" ") {
+			t.Errorf("berth-lab wait does not list %s:\n%s", n.Name, out)
+		}
 	}
 	for name, d := range l.Timings {
 		t.Logf("%s: %.1fs", name, d.Seconds())

@@ -1,13 +1,17 @@
 package lab
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -29,16 +33,52 @@ var nodeMounts = []string{
 // Node is one lab machine: a network namespace with its own address, a private mount namespace, its own
 // swtpm, LUKS2 state-disk image, containerd and berth-agent.
 type Node struct {
-	Name string
-	Role metadata.Role
-	Addr netip.Addr
-	Dir  string
+	Name  string
+	Role  metadata.Role
+	Addr  netip.Addr
+	Image string // one of ImageNames: what the lab's firmware measures at power-on
+	Dir   string
 
-	lab    *Lab
-	holder int // pid of the process that keeps the mount namespace
-	booted time.Time
-	// agentExit receives the agent's exit when it ends; an agent that ends while the lab waits is a failure.
+	lab      *Lab
+	holder   int // pid of the process that keeps the mount namespace
+	agentPID int
+	booted   time.Time
+	// agentExit, in the process that booted the node, receives the agent's exit when it ends; an agent that
+	// ends while the lab waits is a failure.
 	agentExit chan error
+}
+
+// nodeState is the node's node.json: what a later process needs to power the node off or wait for it.
+type nodeState struct {
+	Holder int       `json:"holderPID"`
+	Agent  int       `json:"agentPID"`
+	Booted time.Time `json:"booted"`
+}
+
+func (l *Lab) newNode(m Machine) *Node {
+	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), lab: l}
+}
+
+// save records the node's processes in node.json.
+func (n *Node) save() error {
+	return writeJSON(n.path("node.json"), nodeState{Holder: n.holder, Agent: n.agentPID, Booted: n.booted})
+}
+
+// load reads node.json; a node that was never powered on has none.
+func (n *Node) load() error {
+	data, err := os.ReadFile(n.path("node.json"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var st nodeState
+	if err := json.Unmarshal(data, &st); err != nil {
+		return fmt.Errorf("reading %s: %w", n.path("node.json"), err)
+	}
+	n.holder, n.agentPID, n.booted = st.Holder, st.Agent, st.Booted
+	return nil
 }
 
 func (n *Node) netns() string        { return "/run/netns/" + netnsPrefix + n.Name }
@@ -62,8 +102,8 @@ func (n *Node) create(ctx context.Context) error {
 	if err := makeCgroup(filepath.Join(n.Name, "system")); err != nil {
 		return fmt.Errorf("cgroups: %w", err)
 	}
-	cidr := netip.PrefixFrom(n.Addr, n.lab.subnet.Bits()).String()
-	if err := setupNodeNetwork(ctx, n.Name, cidr, n.lab.hostAddr.String()); err != nil {
+	cidr := netip.PrefixFrom(n.Addr, labSubnet.Bits()).String()
+	if err := setupNodeNetwork(ctx, n.Name, cidr, hostAddr.String()); err != nil {
 		return fmt.Errorf("network: %w", err)
 	}
 	if err := os.MkdirAll(n.path("tpm/state"), 0o700); err != nil {
@@ -76,6 +116,55 @@ func (n *Node) create(ctx context.Context) error {
 		return err
 	}
 	return n.writeConfigs()
+}
+
+// powerOn starts a node as a machine that is switched on: a fresh mount namespace over its persistent
+// directories, empty /run, then swtpm, the firmware's measurement of the image, containerd and berth-agent.
+func (n *Node) powerOn(ctx context.Context) error {
+	for _, d := range []string{"fs/run/containerd", "fs/run/netns"} {
+		if err := os.RemoveAll(n.path(d)); err != nil {
+			return err
+		}
+	}
+	if err := n.mountNamespace(ctx); err != nil {
+		return err
+	}
+	if err := n.save(); err != nil {
+		return err
+	}
+	if err := n.startTPM(); err != nil {
+		return err
+	}
+	n.lab.progress("%s: swtpm up, PCR %d measured for image %s", n.Name, imagePCR, n.Image)
+	images := []string{n.lab.images.PauseTar, n.lab.images.WorkloadTar}
+	if n.Role == metadata.RoleControlPlane {
+		images = append(images, n.lab.images.ControlPlane...)
+	}
+	if err := n.startContainerd(ctx, images); err != nil {
+		return err
+	}
+	n.lab.progress("%s: containerd up, %d images loaded", n.Name, len(images))
+	if err := n.boot(); err != nil {
+		return err
+	}
+	return n.save()
+}
+
+// PowerOff stops everything the node runs, its mount namespace included, as a power loss would; its
+// disks (directories, state image, TPM state) stay.
+func (n *Node) PowerOff() {
+	n.stop(10 * time.Second)
+	// The pid comes from node.json when another process powered the node on: kill it only while it is
+	// still the node's.
+	if n.holder != 0 && slices.Contains(cgroupPIDs(n.Name), n.holder) {
+		syscall.Kill(n.holder, syscall.SIGKILL)
+	}
+}
+
+// Reboot powers the node off and on again; the TPM comes back with fresh PCRs, measured again.
+func (n *Node) Reboot(ctx context.Context) error {
+	n.PowerOff()
+	return n.powerOn(ctx)
 }
 
 // mountNamespace makes the node's private mount namespace, kept by a holder process, with the node's own
@@ -110,9 +199,6 @@ func (n *Node) mountNamespace(ctx context.Context) error {
 		if err := os.MkdirAll(src, 0o755); err != nil {
 			return err
 		}
-		if err := n.lab.ensureHostDir(target); err != nil {
-			return err
-		}
 		if _, err := run(ctx, "nsenter", "--mount="+n.mountns(), "mount", "--bind", src, target); err != nil {
 			return err
 		}
@@ -123,19 +209,20 @@ func (n *Node) mountNamespace(ctx context.Context) error {
 // start runs a long-lived process of the node in its namespaces and cgroup, in a session of its own so that
 // it outlives the lab command; output goes to logs/<log>.log.
 func (n *Node) start(log string, args ...string) error {
-	_, err := n.startCmd(log, args...)
+	_, _, err := n.startCmd(log, args...)
 	return err
 }
 
-// startCmd is start returning a channel that receives the process's exit.
-func (n *Node) startCmd(log string, args ...string) (<-chan error, error) {
+// startCmd is start returning the process's pid (nsenter and sh exec it, so the pid stays the program's)
+// and a channel that receives its exit.
+func (n *Node) startCmd(log string, args ...string) (int, <-chan error, error) {
 	script, err := n.joinCgroupScript()
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	out, err := os.OpenFile(n.path("logs/"+log+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	defer out.Close()
 	full := append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--", "sh", "-c", script, "sh"}, args...)
@@ -145,11 +232,11 @@ func (n *Node) startCmd(log string, args ...string) (<-chan error, error) {
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("%s on %s: %w", log, n.Name, err)
+		return 0, nil, fmt.Errorf("%s on %s: %w", log, n.Name, err)
 	}
 	exit := make(chan error, 1)
 	go func() { exit <- cmd.Wait() }()
-	return exit, nil
+	return cmd.Process.Pid, exit, nil
 }
 
 // exec runs a short command inside the node and returns its output.
@@ -157,15 +244,20 @@ func (n *Node) exec(ctx context.Context, args ...string) (string, error) {
 	return run(ctx, "nsenter", append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--"}, args...)...)
 }
 
-// startDaemons starts the node's swtpm and containerd and loads its images.
-func (n *Node) startDaemons(ctx context.Context, images []string) error {
+// startTPM starts the node's swtpm and, as the node's firmware, measures the image into it.
+func (n *Node) startTPM() error {
 	sock := n.path("tpm/tpm.sock")
 	if err := n.start("swtpm", swtpm.Command(n.path("tpm/state"), sock).Args...); err != nil {
 		return err
 	}
 	if err := swtpm.WaitReady(sock, 10*time.Second); err != nil {
-		return fmt.Errorf("%s: %w (see %s)", n.Name, err, n.path("logs/swtpm.log"))
+		return fmt.Errorf("%w (see %s)", err, n.path("logs/swtpm.log"))
 	}
+	return measureImage(sock, n.Image)
+}
+
+// startContainerd starts the node's containerd and loads its images.
+func (n *Node) startContainerd(ctx context.Context, images []string) error {
 	if err := n.start("containerd", "containerd", "--config", n.path("containerd.toml")); err != nil {
 		return err
 	}
@@ -188,12 +280,36 @@ func (n *Node) startDaemons(ctx context.Context, images []string) error {
 // boot starts berth-agent as the image's systemd unit would.
 func (n *Node) boot() error {
 	n.booted = time.Now()
-	exit, err := n.startCmd("agent", n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
+	pid, exit, err := n.startCmd("agent", n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
 	if err != nil {
 		return err
 	}
-	n.agentExit = make(chan error, 1)
-	go func() { n.agentExit <- fmt.Errorf("berth-agent exited: %v", <-exit) }()
+	n.agentPID = pid
+	// The channel is this boot's: the agent of an earlier boot, killed by Reboot, must not report into it.
+	gone := make(chan error, 1)
+	n.agentExit = gone
+	go func() { gone <- fmt.Errorf("berth-agent exited: %v", <-exit) }()
+	return nil
+}
+
+// agentGone says why the node's agent no longer runs, or nil while it runs or before it was started. In
+// a process that did not boot the node, it looks for the agent's pid with the node's own configuration.
+func (n *Node) agentGone() error {
+	if n.agentExit != nil {
+		select {
+		case err := <-n.agentExit:
+			return err
+		default:
+			return nil
+		}
+	}
+	if n.agentPID == 0 {
+		return nil
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", n.agentPID))
+	if err != nil || !bytes.Contains(cmdline, []byte(n.path("agent.yaml"))) {
+		return fmt.Errorf("berth-agent (pid %d) is no longer running", n.agentPID)
+	}
 	return nil
 }
 
@@ -216,7 +332,7 @@ state = "/run/containerd"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "/etc/cni/net.d"
-`, n.path("containerd"), n.lab.images.pause)
+`, n.path("containerd"), n.lab.images.Pause)
 	if err := os.WriteFile(n.path("containerd.toml"), []byte(containerd), 0o644); err != nil {
 		return err
 	}
@@ -229,7 +345,7 @@ state = "/run/containerd"
     {"type": "loopback"}
   ]
 }
-`, n.lab.podSubnet(n).String())
+`, podSubnet(n.Addr).String())
 	if err := os.MkdirAll(n.path("fs/etc/cni/net.d"), 0o755); err != nil {
 		return err
 	}
@@ -237,11 +353,11 @@ state = "/run/containerd"
 		return err
 	}
 	cfg := map[string]any{
-		"metadataURL":   "http://" + n.lab.metaAddr,
+		"metadataURL":   "http://" + metaAddr,
 		"tpm":           "unix:" + n.path("tpm/tpm.sock"),
 		"stateDisk":     n.path("state.img"),
 		"kubeadm":       filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
-		"ekCABundle":    n.lab.path("ek-ca.pem"),
+		"ekCABundle":    n.lab.EKCAPath(),
 		"skipPhases":    []string{"addon/kube-proxy", "addon/coredns"},
 		"retryMax":      "2s",
 		"pcrs":          QuotedPCRs,
@@ -291,20 +407,10 @@ func (n *Node) Memory() (peak, rss int64, err error) {
 	return 0, 0, fmt.Errorf("no total_rss in %s/memory.stat", dir)
 }
 
-// stop ends the node's processes (agent, kubelet, containerd, pods), as a machine that loses power would.
+// stop ends the node's processes (agent, kubelet, containerd, pods) but the mount namespace's holder, as
+// a machine that loses power would.
 func (n *Node) stop(grace time.Duration) {
-	var pids []int
-	filepath.WalkDir(filepath.Join(cgroupRoot, "pids", n.cgroup()), func(path string, d os.DirEntry, err error) error {
-		if err == nil && d.IsDir() {
-			data, _ := os.ReadFile(filepath.Join(path, "cgroup.procs"))
-			for _, f := range strings.Fields(string(data)) {
-				if pid, err := strconv.Atoi(f); err == nil && pid != n.holder {
-					pids = append(pids, pid)
-				}
-			}
-		}
-		return nil
-	})
+	pids := slices.DeleteFunc(cgroupPIDs(n.Name), func(p int) bool { return p == n.holder })
 	for _, p := range pids {
 		syscall.Kill(p, syscall.SIGTERM)
 	}

@@ -15,10 +15,9 @@ func (l *Lab) Kubectl(ctx context.Context, args ...string) (string, error) {
 	return run(ctx, filepath.Join(l.cfg.KubeBin, "kubectl"), append([]string{"--kubeconfig", l.Kubeconfig}, args...)...)
 }
 
-// WaitReady waits until every node in nodes is Ready, and records each node's time from boot to Ready.
+// WaitReady waits until every node in nodes is Ready, and records each node's time from boot to Ready. It
+// fails when a node's agent exits, or when ctx ends first.
 func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
-	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
-	defer cancel()
 	pending := map[string]*Node{}
 	for _, n := range nodes {
 		pending[n.Name] = n
@@ -26,10 +25,16 @@ func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
 	for len(pending) > 0 {
 		ready, err := l.readyNodes(ctx)
 		if err == nil {
-			for name := range ready {
+			for name, since := range ready {
 				if n, ok := pending[name]; ok {
-					l.Timings["ready/"+name] = time.Since(n.booted)
-					l.progress("%s: Ready, %.1fs after boot", name, time.Since(n.booted).Seconds())
+					// A node may have been Ready for a while when another process waits for it: the
+					// condition's transition says when it became Ready (to the second).
+					d := since.Sub(n.booted)
+					if since.Before(n.booted) {
+						d = time.Since(n.booted)
+					}
+					l.Timings["ready/"+name] = d
+					l.progress("%s: Ready, %.1fs after boot", name, d.Seconds())
 					delete(pending, name)
 				}
 			}
@@ -38,10 +43,8 @@ func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
 			break
 		}
 		for _, n := range pending {
-			select {
-			case exit := <-n.agentExit:
-				return l.nodeFailure(n, "boot", exit)
-			default:
+			if err := n.agentGone(); err != nil {
+				return l.nodeFailure(n, "boot", err)
 			}
 		}
 		select {
@@ -55,8 +58,8 @@ func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
 	return nil
 }
 
-// readyNodes are the nodes whose Ready condition is True.
-func (l *Lab) readyNodes(ctx context.Context) (map[string]bool, error) {
+// readyNodes are the nodes whose Ready condition is True, with the time it became so.
+func (l *Lab) readyNodes(ctx context.Context) (map[string]time.Time, error) {
 	out, err := l.Kubectl(ctx, "get", "nodes", "-o", "json")
 	if err != nil {
 		return nil, err
@@ -65,18 +68,21 @@ func (l *Lab) readyNodes(ctx context.Context) (map[string]bool, error) {
 		Items []struct {
 			Metadata struct{ Name string }
 			Status   struct {
-				Conditions []struct{ Type, Status string }
+				Conditions []struct {
+					Type, Status       string
+					LastTransitionTime time.Time
+				}
 			}
 		}
 	}
 	if err := json.Unmarshal([]byte(out), &list); err != nil {
 		return nil, err
 	}
-	ready := map[string]bool{}
+	ready := map[string]time.Time{}
 	for _, it := range list.Items {
 		for _, c := range it.Status.Conditions {
 			if c.Type == "Ready" && c.Status == "True" {
-				ready[it.Metadata.Name] = true
+				ready[it.Metadata.Name] = c.LastTransitionTime
 			}
 		}
 	}
@@ -98,9 +104,10 @@ func (l *Lab) WaitRestarted(ctx context.Context, n *Node, since time.Time) error
 				return nil
 			}
 		}
+		if err := n.agentGone(); err != nil {
+			return l.nodeFailure(n, "reboot", err)
+		}
 		select {
-		case exit := <-n.agentExit:
-			return l.nodeFailure(n, "reboot", exit)
 		case <-ctx.Done():
 			return l.nodeFailure(n, "waiting for Ready after reboot", fmt.Errorf("%v (last: %q, %v)", ctx.Err(), out, err))
 		case <-time.After(time.Second):

@@ -1,5 +1,5 @@
-// Command berth-lab brings a local attested Berth cluster up and takes it down again: `make lab` and
-// `make lab-down`. It needs root.
+// Command berth-lab runs a local attested Berth cluster: `make lab` and `make lab-down`, and the machines
+// Terraform's lab example creates, one process per node. It needs root.
 package main
 
 import (
@@ -7,9 +7,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
-	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"syscall"
@@ -21,27 +22,65 @@ import (
 
 const usage = `berth-lab: a local attested Berth cluster.
 
-  berth-lab up   --dir DIR --kube-bin DIR --agent FILE   one control-plane node and two workers
-  berth-lab down --dir DIR                               remove everything the lab made
-  berth-lab metadata --document FILE --listen ADDR       the lab's instance-metadata service (run by up)
+  berth-lab up   --dir DIR --kube-bin DIR --agent FILE
+        host, one control-plane node and two workers, attested init, wait until Ready (all in this process)
+  berth-lab down --dir DIR
+        remove everything the lab made, nodes added by "node up" included
+
+  berth-lab host --dir DIR --kube-bin DIR --agent FILE
+        the lab's host only: bridge, images, EK CA, image manifest, metadata service; prints the paths of
+        the image manifest (berth-image.json) and the EK CA bundle
+  berth-lab node up --dir DIR --name NAME --role control-plane|worker --addr 10.250.0.X
+                    --image berthlab-a|berthlab-b --user-data JSON
+        add a machine to the host and power it on (JSON: berth_node_config's json); returns once its agent runs
+  berth-lab node down --dir DIR --name NAME
+        power a machine off and remove it; removing a machine that is not there
+        (or from a lab that is gone) is no error
+  berth-lab wait --dir DIR --kubeconfig FILE [--timeout 10m]
+        wait until every machine of the lab is Ready, then print them
+
+  berth-lab metadata --document FILE --listen ADDR
+        the lab's instance-metadata service (started by host and up)
 `
 
 func main() {
-	if len(os.Args) < 2 {
+	args := os.Args[1:]
+	if len(args) == 0 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
 	}
+	command := args[0]
+	args = args[1:]
+	if command == "node" {
+		if len(args) == 0 {
+			fmt.Fprint(os.Stderr, usage)
+			os.Exit(2)
+		}
+		command, args = "node "+args[0], args[1:]
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	fs := flag.NewFlagSet(os.Args[1], flag.ExitOnError)
+	fs := flag.NewFlagSet(command, flag.ExitOnError)
+	fs.Usage = func() { fmt.Fprint(os.Stderr, usage) }
 	dir := fs.String("dir", "/var/tmp/berth-lab", "the lab's directory")
 	kubeBin := fs.String("kube-bin", "", "directory of the Kubernetes binaries (make k8s-tools)")
 	agent := fs.String("agent", "bin/berth-agent", "the berth-agent binary")
+	name := fs.String("name", "", "node: the machine's name")
+	role := fs.String("role", "", "node up: control-plane or worker")
+	addr := fs.String("addr", "", "node up: the machine's address in 10.250.0.0/24")
+	image := fs.String("image", "", "node up: the machine's image")
+	userData := fs.String("user-data", "", "node up: the machine's user-data JSON")
+	kubeconfig := fs.String("kubeconfig", "", "wait: the cluster's admin kubeconfig")
+	timeout := fs.Duration("timeout", 10*time.Minute, "wait: how long to wait")
 	document := fs.String("document", "", "metadata: the instance document")
 	listen := fs.String("listen", "", "metadata: listen address")
-	fs.Parse(os.Args[2:])
+	fs.Parse(args)
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "berth-lab %s: unexpected argument %q\n", command, fs.Arg(0))
+		os.Exit(2)
+	}
 	var err error
-	switch os.Args[1] {
+	switch command {
 	case "up":
 		err = up(ctx, *dir, *kubeBin, *agent)
 	case "down":
@@ -49,6 +88,14 @@ func main() {
 		if err == nil {
 			fmt.Println("lab removed; nothing left:", len(lab.Leftovers(*dir)) == 0)
 		}
+	case "host":
+		err = host(ctx, *dir, *kubeBin, *agent)
+	case "node up":
+		err = nodeUp(ctx, *dir, *name, *role, *addr, *image, *userData)
+	case "node down":
+		err = nodeDown(ctx, *dir, *name)
+	case "wait":
+		err = wait(ctx, *dir, *kubeconfig, *timeout)
 	case "metadata":
 		err = serveMetadata(ctx, *document, *listen)
 	default:
@@ -76,6 +123,83 @@ func up(ctx context.Context, dir, kubeBin, agent string) error {
 		return fmt.Errorf("%w\n(the lab stays up for inspection: make lab-down removes it)", err)
 	}
 	fmt.Printf("\nlab up in %.1fs\n\n", time.Since(start).Seconds())
+	return report(ctx, l)
+}
+
+func host(ctx context.Context, dir, kubeBin, agent string) error {
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	if kubeBin == "" {
+		return errors.New("--kube-bin is required (make k8s-tools prints it)")
+	}
+	l, err := lab.StartHost(ctx, lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: self, Progress: os.Stdout})
+	if err != nil {
+		return fmt.Errorf("%w\n(berth-lab down --dir %s removes what was made)", err, dir)
+	}
+	fmt.Println("manifest:", l.ManifestPath())
+	fmt.Println("ek-ca:", l.EKCAPath())
+	return nil
+}
+
+func nodeUp(ctx context.Context, dir, name, role, addr, image, userData string) error {
+	if name == "" || role == "" || addr == "" || image == "" || userData == "" {
+		return errors.New("node up needs --name, --role, --addr, --image and --user-data")
+	}
+	a, err := netip.ParseAddr(addr)
+	if err != nil {
+		return fmt.Errorf("--addr: %w", err)
+	}
+	ud, err := lab.ParseUserData([]byte(userData))
+	if err != nil {
+		return fmt.Errorf("--user-data: %w", err)
+	}
+	l, err := lab.Open(dir)
+	if err != nil {
+		return err
+	}
+	l.Progress = os.Stdout
+	_, err = l.AddNode(ctx, lab.Machine{Name: name, Role: metadata.Role(role), Addr: a, Image: image, UserData: ud})
+	return err
+}
+
+func nodeDown(ctx context.Context, dir, name string) error {
+	if name == "" {
+		return errors.New("node down needs --name")
+	}
+	// Removing is idempotent down to the lab itself: a lab taken down has no nodes left to remove.
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		fmt.Printf("no lab in %s: node %s is not there\n", dir, name)
+		return nil
+	}
+	l, err := lab.Open(dir)
+	if err != nil {
+		return err
+	}
+	l.Progress = os.Stdout
+	return l.RemoveNode(ctx, name)
+}
+
+func wait(ctx context.Context, dir, kubeconfig string, timeout time.Duration) error {
+	if kubeconfig == "" {
+		return errors.New("wait needs --kubeconfig")
+	}
+	l, err := lab.Open(dir)
+	if err != nil {
+		return err
+	}
+	l.Progress, l.Kubeconfig = os.Stdout, kubeconfig
+	waitCtx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := l.WaitReady(waitCtx, l.Nodes); err != nil {
+		return err
+	}
+	return report(ctx, l)
+}
+
+// report prints the cluster's nodes and, per node, the time from boot to Ready and its memory.
+func report(ctx context.Context, l *lab.Lab) error {
 	out, err := l.Kubectl(ctx, "get", "nodes", "-o", "wide")
 	if err != nil {
 		return err
@@ -95,27 +219,12 @@ func up(ctx context.Context, dir, kubeBin, agent string) error {
 }
 
 func serveMetadata(ctx context.Context, document, listen string) error {
-	data, err := os.ReadFile(document)
-	if err != nil {
-		return err
-	}
-	doc, err := metadata.ParseDocument(data)
-	if err != nil {
-		return err
+	if document == "" || listen == "" {
+		return errors.New("metadata needs --document and --listen")
 	}
 	lis, err := net.Listen("tcp", listen)
 	if err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
-	srv := &http.Server{Handler: metadata.NewServer(doc, logger), ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout: 10 * time.Second, WriteTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10}
-	go func() {
-		<-ctx.Done()
-		srv.Close()
-	}()
-	if err := srv.Serve(lis); !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return lab.ServeMetadata(ctx, lis, document, slog.New(slog.NewJSONHandler(os.Stderr, nil)))
 }

@@ -1,0 +1,499 @@
+package provider
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-testing/config"
+	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
+	"github.com/hashicorp/terraform-plugin-testing/terraform"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/test/lab"
+)
+
+// impostorConfig boots the first control-plane machine from image berthlab-b and asks berth_cluster to
+// initialize it as berthlab-a: the attestation must refuse it before any secret is sent, naming the PCR. The
+// machine has the example's address in state, so that applying the example replaces it (a resource removed
+// from the configuration would not run its destroy-time provisioner).
+const impostorConfig = `
+terraform {
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
+variable "root_key" {
+  type      = string
+  ephemeral = true
+  sensitive = true
+}
+
+variable "lab_dir" {
+  type = string
+}
+
+variable "berth_lab" {
+  type = string
+}
+
+resource "berth_secrets" "lab" {
+  root_key_wo         = var.root_key
+  root_key_wo_version = 1
+}
+
+ephemeral "berth_secrets" "lab" {
+  root_key                  = var.root_key
+  kubernetes_ca_certificate = berth_secrets.lab.kubernetes_ca_certificate
+  join_ca_certificate       = berth_secrets.lab.join_ca_certificate
+}
+
+data "berth_image" "a" {
+  path = "${var.lab_dir}/berth-image.json"
+  name = "berthlab-a"
+}
+
+data "berth_node_config" "control_plane" {
+  cluster_name     = "berthlab"
+  join_ca_pin      = berth_secrets.lab.join_ca_pin
+  init_secret_hash = berth_secrets.lab.init_secret_hash
+}
+
+# The example's machine, but of the other image; its input has the example's shape, because the example's
+# destroy-time provisioner removes it with the old input.
+resource "terraform_data" "control_plane" {
+  input = {
+    name      = "cp-0"
+    role      = "control-plane"
+    address   = "10.250.0.10"
+    image     = "berthlab-b"
+    user_data = data.berth_node_config.control_plane.json
+    lab       = var.berth_lab
+    dir       = var.lab_dir
+  }
+  provisioner "local-exec" {
+    command     = "\"$LAB\" node up --dir \"$DIR\" --name \"$NAME\" --role \"$ROLE\" --addr \"$ADDR\" --image \"$IMAGE\" --user-data \"$USER_DATA\""
+    environment = { LAB = self.input.lab, DIR = self.input.dir, NAME = self.input.name, ROLE = self.input.role, ADDR = self.input.address, IMAGE = self.input.image, USER_DATA = self.input.user_data }
+  }
+}
+
+resource "berth_cluster" "lab" {
+  endpoint           = "10.250.0.10:7451"
+  cluster_name       = "berthlab"
+  kubernetes_version = "v1.36.3"
+  pcrs               = data.berth_image.a.pcrs
+  ek_ca_certificates = file("${var.lab_dir}/ek-ca.pem")
+
+  kubernetes_ca_certificate = berth_secrets.lab.kubernetes_ca_certificate
+  join_ca_certificate       = berth_secrets.lab.join_ca_certificate
+  init_secret_wo            = ephemeral.berth_secrets.lab.init_secret
+  master_secret_wo          = ephemeral.berth_secrets.lab.master_secret
+  salt_wo                   = ephemeral.berth_secrets.lab.salt
+  kubernetes_ca_key_wo      = ephemeral.berth_secrets.lab.kubernetes_ca_key
+  join_ca_key_wo            = ephemeral.berth_secrets.lab.join_ca_key
+
+  depends_on = [terraform_data.control_plane]
+}
+`
+
+// adoptConfig reaches the lab's cluster through a kubeconfig file, as an operator adopting a running
+// cluster's join policy would, to import the policy the example wrote.
+const adoptConfig = `
+terraform {
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
+variable "kubeconfig_path" {
+  type = string
+}
+
+variable "pcrs" {
+  type = map(string)
+}
+
+provider "berth" {
+  alias      = "lab"
+  kubeconfig = file(var.kubeconfig_path)
+}
+
+resource "berth_join_policy" "lab" {
+  provider = berth.lab
+  images = [{
+    name  = "berthlab-a"
+    roles = ["control-plane", "worker"]
+    pcrs  = var.pcrs
+  }]
+}
+`
+
+type labWorker struct {
+	name, image string
+	host        int
+}
+
+// TestAccLab is the acceptance test of issue 4: the real terraform CLI applies examples/lab, the
+// configuration of make lab, against a real lab. A machine of the wrong image is refused at init with the
+// PCR named; then the cluster is initialized, a worker joins, the policy drops an image and a worker of that
+// image is refused; a plan shows no drift, the join policy imports, and destroy leaves no machine behind.
+// State and `terraform show -json` never hold a secret.
+func TestAccLab(t *testing.T) {
+	if os.Getenv(resource.EnvTfAcc) == "" {
+		t.Skip("acceptance test against a real lab: make testacc runs it (TF_ACC=1, root)")
+	}
+	if os.Geteuid() != 0 {
+		t.Fatal("the lab needs root: it makes network and mount namespaces, cgroups and LUKS images (run make testacc as root)")
+	}
+	kubeBin := os.Getenv("BERTH_KUBE_BIN")
+	if kubeBin == "" {
+		t.Fatal("BERTH_KUBE_BIN is not set: make testacc builds Kubernetes once (scripts/build-k8s.sh) and sets it")
+	}
+	bin := t.TempDir()
+	agent := goBuild(t, bin, "github.com/berthlabs/berth/nodeagent/cmd/berth-agent")
+	labBin := goBuild(t, bin, "github.com/berthlabs/berth/test/lab/cmd/berth-lab")
+
+	dir := filepath.Join(t.TempDir(), "lab")
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	defer cancel()
+	var progress strings.Builder
+	if _, err := lab.StartHost(ctx, lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin, Progress: &progress}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := lab.Down(context.Background(), dir); err != nil {
+			t.Errorf("lab down: %v", err)
+		}
+		if left := lab.Leftovers(dir); len(left) > 0 {
+			t.Errorf("the lab left behind: %v", left)
+		}
+	})
+
+	root := make([]byte, 32)
+	if _, err := rand.Read(root); err != nil {
+		t.Fatal(err)
+	}
+	// The example names its provider berthlabs/berth, as users write it.
+	t.Setenv("TF_ACC_PROVIDER_NAMESPACE", "berthlabs")
+	// Terraform's working directories land here, so the checks can read the raw state files.
+	tfDirs := t.TempDir()
+	t.Setenv("TF_ACC_TEMP_DIR", tfDirs)
+
+	base := config.Variables{
+		"root_key":  config.StringVariable(base64.StdEncoding.EncodeToString(root)),
+		"lab_dir":   config.StringVariable(dir),
+		"berth_lab": config.StringVariable(labBin),
+	}
+	vars := func(workers []labWorker, allowed ...string) config.Variables {
+		v := config.Variables{}
+		for k, val := range base {
+			v[k] = val
+		}
+		var ws []config.Variable
+		for _, w := range workers {
+			ws = append(ws, config.ObjectVariable(map[string]config.Variable{
+				"name": config.StringVariable(w.name), "image": config.StringVariable(w.image), "host": config.IntegerVariable(w.host)}))
+		}
+		v["workers"] = config.ListVariable(ws...)
+		var list []config.Variable
+		for _, a := range allowed {
+			list = append(list, config.StringVariable(a))
+		}
+		v["allowed_images"] = config.ListVariable(list...)
+		return v
+	}
+	example := config.StaticDirectory("../examples/lab")
+	kubeconfigPath := filepath.Join(t.TempDir(), "admin.conf")
+	oneWorker := vars([]labWorker{{"worker-0", "berthlab-a", 20}}, "berthlab-a", "berthlab-b")
+	dropped := vars([]labWorker{{"worker-0", "berthlab-a", 20}, {"worker-1", "berthlab-b", 21}}, "berthlab-a")
+
+	steps := []resource.TestStep{
+		{
+			Config:          impostorConfig,
+			ConfigVariables: base,
+			ExpectError:     measurementRefusal(11, lab.PredictedPCRs("berthlab-a")[11], lab.PredictedPCRs("berthlab-b")[11]),
+		},
+		{
+			ConfigDirectory: example,
+			ConfigVariables: oneWorker,
+			Check: resource.ComposeTestCheckFunc(
+				resource.TestCheckResourceAttrPair("berth_cluster.lab", "cluster_id", "berth_secrets.lab", "cluster_id"),
+				resource.TestCheckResourceAttr("berth_cluster.lab", "api_server_endpoint", "10.250.0.10:6443"),
+				resource.TestCheckResourceAttrPair("berth_cluster.lab", "kubernetes_ca_certificate", "berth_secrets.lab", "kubernetes_ca_certificate"),
+				resource.TestCheckResourceAttrSet("berth_cluster.lab", "client_certificate"),
+				resource.TestCheckResourceAttr("berth_join_policy.lab", "images.#", "2"),
+				nodesReady(ctx, dir, "cp-0", "worker-0"),
+				noSecretsInState(t, root, tfDirs),
+			),
+		},
+		{
+			ConfigDirectory: example,
+			ConfigVariables: dropped,
+			Check: resource.ComposeTestCheckFunc(
+				resource.TestCheckResourceAttr("berth_join_policy.lab", "images.#", "1"),
+				clusterPolicyImages(ctx, "berthlab-a"),
+				joinRefused(ctx, dir, "worker-1"),
+				nodesReady(ctx, dir, "cp-0", "worker-0"),
+				noSecretsInState(t, root, tfDirs),
+				writeKubeconfig(kubeconfigPath),
+			),
+		},
+		{
+			Config:            adoptConfig,
+			ConfigVariables:   config.Variables{"kubeconfig_path": config.StringVariable(kubeconfigPath), "pcrs": pcrVariable(lab.PredictedPCRs("berthlab-a"))},
+			ResourceName:      "berth_join_policy.lab",
+			ImportState:       true,
+			ImportStateId:     "berth-join-policy",
+			ImportStateVerify: true,
+		},
+		// Last, so that the destroy at the end runs with the example's configuration: a refresh of everything
+		// (berth_cluster reads the cluster's record) and a plan without changes.
+		{
+			ConfigDirectory: example,
+			ConfigVariables: dropped,
+			PlanOnly:        true,
+		},
+	}
+	// The example has a provider block of its own (the one configured from the new cluster), so the provider
+	// under test is given to each step rather than to the whole case.
+	for i := range steps {
+		steps[i].ProtoV6ProviderFactories = providers
+	}
+	resource.Test(t, resource.TestCase{
+		CheckDestroy: func(*terraform.State) error {
+			l, err := lab.Open(dir)
+			if err != nil {
+				return err
+			}
+			if len(l.Nodes) > 0 {
+				return fmt.Errorf("machines left after destroy: %d (the first is %s)", len(l.Nodes), l.Nodes[0].Name)
+			}
+			return nil
+		},
+		Steps: steps,
+	})
+	t.Logf("lab host:\n%s", progress.String())
+}
+
+func goBuild(t *testing.T, dir, pkg string) string {
+	t.Helper()
+	out := filepath.Join(dir, filepath.Base(pkg))
+	if msg, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {
+		t.Fatalf("building %s: %v\n%s", pkg, err, msg)
+	}
+	return out
+}
+
+// measurementRefusal matches terraform's rendering of the attestation failure, which it wraps at spaces.
+func measurementRefusal(pcr int, expected, got []byte) *regexp.Regexp {
+	phrase := func(text string) string {
+		words := strings.Fields(text)
+		for i, w := range words {
+			words[i] = regexp.QuoteMeta(w)
+		}
+		return strings.Join(words, `\s+`)
+	}
+	return regexp.MustCompile(`(?s)` + phrase("The node does not run the expected image") + `.*` +
+		phrase(fmt.Sprintf("was not sent any secret: PCR %d: expected %x, got %x", pcr, expected, got)))
+}
+
+// clusterKube connects to the cluster with the kubeconfig berth_cluster keeps in state.
+func clusterKube(s *terraform.State) (kubernetes.Interface, string, error) {
+	rs, ok := s.RootModule().Resources["berth_cluster.lab"]
+	if !ok {
+		return nil, "", errors.New("berth_cluster.lab is not in state")
+	}
+	kubeconfig := rs.Primary.Attributes["kubeconfig"]
+	rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(kubeconfig))
+	if err != nil {
+		return nil, "", err
+	}
+	kube, err := kubernetes.NewForConfig(rc)
+	return kube, kubeconfig, err
+}
+
+// nodesReady waits until the named lab nodes are Ready in the cluster berth_cluster initialized.
+func nodesReady(ctx context.Context, dir string, names ...string) resource.TestCheckFunc {
+	return func(s *terraform.State) error {
+		_, kubeconfig, err := clusterKube(s)
+		if err != nil {
+			return err
+		}
+		l, err := lab.Open(dir)
+		if err != nil {
+			return err
+		}
+		l.Kubeconfig = filepath.Join(dir, "admin.conf")
+		if err := os.WriteFile(l.Kubeconfig, []byte(kubeconfig), 0o600); err != nil {
+			return err
+		}
+		var nodes []*lab.Node
+		for _, name := range names {
+			n := l.Node(name)
+			if n == nil {
+				return fmt.Errorf("the lab has no machine %s", name)
+			}
+			nodes = append(nodes, n)
+		}
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+		defer cancel()
+		return l.WaitReady(ctx, nodes)
+	}
+}
+
+// writeKubeconfig writes the kubeconfig berth_cluster keeps in state to path.
+func writeKubeconfig(path string) resource.TestCheckFunc {
+	return func(s *terraform.State) error {
+		_, kubeconfig, err := clusterKube(s)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(path, []byte(kubeconfig), 0o600)
+	}
+}
+
+func pcrVariable(pcrs map[int][]byte) config.Variable {
+	v := map[string]config.Variable{}
+	for i, value := range pcrs {
+		v[strconv.Itoa(i)] = config.StringVariable(hex.EncodeToString(value))
+	}
+	return config.MapVariable(v)
+}
+
+// clusterPolicyImages checks the policy the join services read from the cluster.
+func clusterPolicyImages(ctx context.Context, want ...string) resource.TestCheckFunc {
+	return func(s *terraform.State) error {
+		kube, _, err := clusterKube(s)
+		if err != nil {
+			return err
+		}
+		cm, err := kube.CoreV1().ConfigMaps("kube-system").Get(ctx, "berth-join-policy", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		p, err := policy.Parse([]byte(cm.Data[policy.ConfigMapKey]))
+		if err != nil {
+			return err
+		}
+		var got []string
+		for _, img := range p.Images {
+			got = append(got, img.Name)
+		}
+		if !slices.Equal(got, want) {
+			return fmt.Errorf("the cluster's join policy admits %v, want %v", got, want)
+		}
+		return nil
+	}
+}
+
+// joinRefused waits until the join service on cp-0 has refused node for its measurements, then checks
+// that the node is not in the cluster.
+func joinRefused(ctx context.Context, dir, node string) resource.TestCheckFunc {
+	return func(s *terraform.State) error {
+		logPath := filepath.Join(dir, "nodes", "cp-0", "logs", "agent.log")
+		deadline := time.Now().Add(3 * time.Minute)
+		for {
+			found, err := hasLogLine(logPath, func(entry map[string]any) bool {
+				reason, _ := entry["reason"].(string)
+				return entry["msg"] == "measurements refused" && entry["peer_node"] == node && reason != ""
+			})
+			if err != nil {
+				return err
+			}
+			if found {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("the join service on cp-0 did not refuse %s within 3 minutes (see %s)", node, logPath)
+			}
+			time.Sleep(2 * time.Second)
+		}
+		kube, _, err := clusterKube(s)
+		if err != nil {
+			return err
+		}
+		nodes, err := kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		for _, n := range nodes.Items {
+			if n.Name == node {
+				return fmt.Errorf("%s is a cluster node although its image was dropped from the policy", node)
+			}
+		}
+		return nil
+	}
+}
+
+// hasLogLine reports whether a JSON log line of path is one that match accepts.
+func hasLogLine(path string, match func(map[string]any) bool) (bool, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		var entry map[string]any
+		if json.Unmarshal(sc.Bytes(), &entry) == nil && match(entry) {
+			return true, nil
+		}
+	}
+	return false, sc.Err()
+}
+
+// noSecretsInState looks for root's secrets in the state terraform-plugin-testing read with `terraform show
+// -json` and in every raw state file terraform wrote. berth_cluster's kubeconfig and client_key do hold a
+// private key, the admin client's, which state must keep (Sensitive); the cluster's secrets must not be there.
+func noSecretsInState(t *testing.T, root []byte, tfDirs string) resource.TestCheckFunc {
+	forbidden := forbiddenSecrets(t, root)
+	return func(s *terraform.State) error {
+		shown, err := json.Marshal(s)
+		if err != nil {
+			return err
+		}
+		searched := map[string][]byte{"terraform show -json": shown}
+		err = filepath.WalkDir(tfDirs, func(path string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasPrefix(d.Name(), "terraform.tfstate") {
+				return err
+			}
+			data, err := os.ReadFile(path)
+			searched[path] = data
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if len(searched) < 2 {
+			return fmt.Errorf("no raw state file under %s", tfDirs)
+		}
+		if leaks := findSecrets(searched, forbidden); len(leaks) > 0 {
+			return errors.New(strings.Join(leaks, "\n"))
+		}
+		return nil
+	}
+}
