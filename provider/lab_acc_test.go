@@ -80,9 +80,10 @@ data "berth_node_config" "control_plane" {
   init_secret_hash = berth_secrets.lab.init_secret_hash
 }
 
-# The example's machine, but of the other image; its input has the example's shape, because the example's
-# destroy-time provisioner removes it with the old input.
-resource "terraform_data" "control_plane" {
+# The example's first machine, but of the other image; its input has the example's shape, because the
+# example's destroy-time provisioner removes it with the old input.
+resource "terraform_data" "machine" {
+  count = 1
   input = {
     name      = "cp-0"
     role      = "control-plane"
@@ -113,7 +114,7 @@ resource "berth_cluster" "lab" {
   kubernetes_ca_key_wo      = ephemeral.berth_secrets.lab.kubernetes_ca_key
   join_ca_key_wo            = ephemeral.berth_secrets.lab.join_ca_key
 
-  depends_on = [terraform_data.control_plane]
+  depends_on = [terraform_data.machine]
 }
 `
 

@@ -88,6 +88,7 @@ data "berth_image" "lab" {
   path = local.manifest
 }
 
+# The first machine is the control-plane node that berth_cluster initializes; the workers follow.
 locals {
   control_plane_machine = {
     name      = "cp-0"
@@ -107,6 +108,7 @@ locals {
     lab       = var.berth_lab
     dir       = var.lab_dir
   }]
+  machines = concat([local.control_plane_machine], local.worker_machines)
 }
 
 # Only the first control-plane node's user-data carries the init secret's hash.
@@ -121,10 +123,12 @@ data "berth_node_config" "worker" {
   join_ca_pin  = berth_secrets.lab.join_ca_pin
 }
 
-# A machine whose image or user-data changes is replaced, as a cloud instance would be.
-resource "terraform_data" "control_plane" {
-  input            = local.control_plane_machine
-  triggers_replace = local.control_plane_machine
+# The lab's machines, booted together as an autoscaling group's would be; the workers join once the policy
+# admits their image. A machine whose image or user-data changes is replaced, as a cloud instance would be.
+resource "terraform_data" "machine" {
+  count            = length(local.machines)
+  input            = local.machines[count.index]
+  triggers_replace = local.machines[count.index]
 
   provisioner "local-exec" {
     command     = "\"$LAB\" node up --dir \"$DIR\" --name \"$NAME\" --role \"$ROLE\" --addr \"$ADDR\" --image \"$IMAGE\" --user-data \"$USER_DATA\""
@@ -153,9 +157,11 @@ resource "berth_cluster" "lab" {
   kubernetes_ca_key_wo      = ephemeral.berth_secrets.lab.kubernetes_ca_key
   join_ca_key_wo            = ephemeral.berth_secrets.lab.join_ca_key
 
+  depends_on = [terraform_data.machine]
+
   # The node is a machine of this configuration: a new machine means a new cluster.
   lifecycle {
-    replace_triggered_by = [terraform_data.control_plane]
+    replace_triggered_by = [terraform_data.machine[0]]
   }
 }
 
@@ -171,25 +177,6 @@ resource "berth_join_policy" "lab" {
     roles = ["control-plane", "worker"]
     pcrs  = image.pcrs
   } if contains(var.allowed_images, image.name)]
-}
-
-# Workers boot while the cluster initializes, as an autoscaling group's would, and join once the policy
-# admits their image.
-resource "terraform_data" "worker" {
-  count            = length(local.worker_machines)
-  input            = local.worker_machines[count.index]
-  triggers_replace = local.worker_machines[count.index]
-
-  provisioner "local-exec" {
-    command     = "\"$LAB\" node up --dir \"$DIR\" --name \"$NAME\" --role \"$ROLE\" --addr \"$ADDR\" --image \"$IMAGE\" --user-data \"$USER_DATA\""
-    environment = { LAB = self.input.lab, DIR = self.input.dir, NAME = self.input.name, ROLE = self.input.role, ADDR = self.input.address, IMAGE = self.input.image, USER_DATA = self.input.user_data }
-  }
-
-  provisioner "local-exec" {
-    when        = destroy
-    command     = "\"$LAB\" node down --dir \"$DIR\" --name \"$NAME\""
-    environment = { LAB = self.input.lab, DIR = self.input.dir, NAME = self.input.name }
-  }
 }
 
 output "cluster_id" {
