@@ -413,32 +413,45 @@ func (r *clusterResource) Read(ctx context.Context, req resource.ReadRequest, re
 	if resp.Diagnostics.HasError() {
 		return
 	}
-	gone := func(why string) {
+	switch verdict, why := checkCluster(ctx, m); verdict {
+	case clusterGone:
 		resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" is gone",
 			why+" It is removed from state; the next apply initializes a new cluster at "+m.Endpoint.ValueString()+".")
 		resp.State.RemoveResource(ctx)
+	case clusterSilent:
+		resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" did not answer",
+			why+" The cluster stays in state as it was. If its machines are gone for good, initialize a new one "+
+				"with: terraform apply -replace=<this resource's address>.")
 	}
+}
+
+type clusterVerdict int
+
+const (
+	clusterHere   clusterVerdict = iota // the API server holds this cluster's record
+	clusterGone                         // another cluster, no cluster, or a node waiting for init
+	clusterSilent                       // nothing conclusive answered
+)
+
+// checkCluster tells what answers for the cluster of m, and why.
+func checkCluster(ctx context.Context, m clusterModel) (clusterVerdict, string) {
+	api := m.APIServerEndpoint.ValueString()
 	info, err := readClusterInfo(ctx, m.Kubeconfig.ValueString())
 	switch {
 	case err == nil && info.ID == m.ClusterID.ValueString():
-		return
+		return clusterHere, ""
 	case err == nil:
-		gone(fmt.Sprintf("The API server at %s belongs to cluster %s now.", m.APIServerEndpoint.ValueString(), info.ID))
+		return clusterGone, fmt.Sprintf("The API server at %s belongs to cluster %s now.", api, info.ID)
 	case errors.Is(err, clusterinfo.ErrNotFound):
-		gone(fmt.Sprintf("The API server at %s answers, but holds no Berth cluster record.", m.APIServerEndpoint.ValueString()))
+		return clusterGone, fmt.Sprintf("The API server at %s answers, but holds no Berth cluster record.", api)
 	case anotherCluster(err):
-		gone(fmt.Sprintf("The API server at %s does not accept this cluster's credentials or CA (%v): another cluster runs there.",
-			m.APIServerEndpoint.ValueString(), err))
-	default:
-		if waiting, _ := initclient.AwaitsInit(ctx, m.Endpoint.ValueString(), probeTimeout); waiting {
-			gone(fmt.Sprintf("The API server at %s does not answer (%v), and a node waiting for init answers at %s.",
-				m.APIServerEndpoint.ValueString(), err, m.Endpoint.ValueString()))
-			return
-		}
-		resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" did not answer",
-			fmt.Sprintf("Reading the cluster record failed: %v. The cluster stays in state as it was. If its machines "+
-				"are gone for good, initialize a new one with: terraform apply -replace=<this resource's address>.", err))
+		return clusterGone, fmt.Sprintf("The API server at %s does not accept this cluster's credentials or CA (%v): another cluster runs there.", api, err)
 	}
+	if waiting, _ := initclient.AwaitsInit(ctx, m.Endpoint.ValueString(), probeTimeout); waiting {
+		return clusterGone, fmt.Sprintf("The API server at %s does not answer (%v), and a node waiting for init answers at %s.",
+			api, err, m.Endpoint.ValueString())
+	}
+	return clusterSilent, fmt.Sprintf("Reading the cluster record failed: %v.", err)
 }
 
 func readClusterInfo(ctx context.Context, kubeconfig string) (clusterinfo.Info, error) {

@@ -1,15 +1,23 @@
 package provider
 
 import (
+	"context"
 	"encoding/base64"
 	"fmt"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/hashicorp/terraform-plugin-framework/types"
 	"github.com/hashicorp/terraform-plugin-testing/config"
 	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
+	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/swtpm"
 )
 
@@ -118,4 +126,67 @@ func TestClusterResourceRefusals(t *testing.T) {
 			},
 		},
 	})
+}
+
+// TestCheckCluster covers what a refresh of berth_cluster concludes, against a real kube-apiserver: the
+// cluster is here, another cluster or none answers (gone), or nothing answers (kept).
+func TestCheckCluster(t *testing.T) {
+	api := kubetest.Start(t)
+	ctx := context.Background()
+	const id, other = "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"
+	if err := clusterinfo.Publish(ctx, api.Client, clusterinfo.Info{ID: id, Name: "prod"}); err != nil {
+		t.Fatal(err)
+	}
+	model := func(kubeconfig []byte, clusterID string) clusterModel {
+		return clusterModel{Kubeconfig: types.StringValue(string(kubeconfig)), ClusterID: types.StringValue(clusterID),
+			APIServerEndpoint: types.StringValue(api.URL), Endpoint: types.StringValue("127.0.0.1:1")}
+	}
+	otherCA, err := pki.NewCA("kubernetes", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clientcmd.Load(api.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cfg.Clusters {
+		c.CertificateAuthorityData = otherCA.CertPEM()
+	}
+	foreignCA, err := clientcmd.Write(*cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cfg.Clusters {
+		c.Server = "https://127.0.0.1:1"
+	}
+	nowhere, err := clientcmd.Write(*cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tc := range []struct {
+		name    string
+		model   clusterModel
+		verdict clusterVerdict
+		why     string
+	}{
+		{"same cluster", model(api.Kubeconfig, id), clusterHere, ""},
+		{"another cluster ID", model(api.Kubeconfig, other), clusterGone, "belongs to cluster " + id + " now"},
+		{"another CA", model(foreignCA, id), clusterGone, "does not accept this cluster's credentials or CA"},
+		{"nothing answers", model(nowhere, id), clusterSilent, "Reading the cluster record failed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			verdict, why := checkCluster(ctx, tc.model)
+			if verdict != tc.verdict || !strings.Contains(why, tc.why) {
+				t.Errorf("checkCluster = %v, %q; want %v, %q", verdict, why, tc.verdict, tc.why)
+			}
+		})
+	}
+
+	if err := api.Client.CoreV1().ConfigMaps(clusterinfo.Namespace).Delete(ctx, clusterinfo.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if verdict, why := checkCluster(ctx, model(api.Kubeconfig, id)); verdict != clusterGone || !strings.Contains(why, "holds no Berth cluster record") {
+		t.Errorf("without the record: checkCluster = %v, %q; want gone", verdict, why)
+	}
 }

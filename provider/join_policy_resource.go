@@ -1,8 +1,10 @@
 package provider
 
 import (
+	"cmp"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"regexp"
@@ -27,6 +29,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
 )
@@ -43,7 +46,8 @@ var (
 
 // joinPolicyResource is berth_join_policy: the ConfigMap the join services read their policy from.
 type joinPolicyResource struct {
-	kube kubernetes.Interface
+	kube        kubernetes.Interface
+	kubeUnknown bool
 }
 
 func newJoinPolicyResource() resource.Resource { return &joinPolicyResource{} }
@@ -53,6 +57,8 @@ type joinPolicyModel struct {
 	Name   types.String `tfsdk:"name"`
 	Images types.List   `tfsdk:"images"`
 	YAML   types.String `tfsdk:"policy_yaml"`
+	// ClusterID is the cluster the policy belongs in, from its berth-cluster record.
+	ClusterID types.String `tfsdk:"cluster_id"`
 }
 
 type joinPolicyImage struct {
@@ -127,13 +133,19 @@ func (r *joinPolicyResource) Schema(_ context.Context, _ resource.SchemaRequest,
 				}},
 			},
 			"policy_yaml": schema.StringAttribute{Computed: true, MarkdownDescription: "The policy as the join services read it."},
+			"cluster_id": schema.StringAttribute{Optional: true, Computed: true,
+				MarkdownDescription: "The cluster the policy belongs in: `berth_cluster.<name>.cluster_id`. When set, the " +
+					"policy is written only into the cluster whose record (ConfigMap `kube-system/berth-cluster`) " +
+					"holds this ID, and a new cluster (a new ID) gets the policy written again. Read from the " +
+					"cluster's record when not set.",
+				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown(), stringplanmodifier.RequiresReplace()}},
 		},
 	}
 }
 
 func (r *joinPolicyResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
 	if data, ok := req.ProviderData.(*providerData); ok {
-		r.kube = data.kube
+		r.kube, r.kubeUnknown = data.kube, data.kubeUnknown
 	}
 }
 
@@ -232,6 +244,18 @@ func (r *joinPolicyResource) write(ctx context.Context, plan tfsdk.Plan, state *
 	if diags.HasError() {
 		return
 	}
+	id, err := clusterID(ctx, kube)
+	if err != nil {
+		diags.AddError("Reading the cluster's record", err.Error())
+		return
+	}
+	if want := m.ClusterID.ValueString(); known(m.ClusterID) && want != id.ValueString() {
+		diags.AddAttributeError(path.Root("cluster_id"), "The kubeconfig reaches another cluster",
+			fmt.Sprintf("The policy belongs in cluster %s, but the provider's kubeconfig reaches %s; nothing was written.",
+				want, cmp.Or(id.ValueString(), "a cluster without a Berth record")))
+		return
+	}
+	m.ClusterID = id
 	if err := store(kube.CoreV1().ConfigMaps(policyNamespace), m.Name.ValueString(), data); err != nil {
 		diags.AddError("Writing the join policy", err.Error())
 		return
@@ -257,6 +281,11 @@ func (m joinPolicyModel) render(ctx context.Context) (string, diag.Diagnostics) 
 func (r *joinPolicyResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
 	var m joinPolicyModel
 	resp.Diagnostics.Append(req.State.Get(ctx, &m)...)
+	// The cluster is being created (or made again) in this run: there is nothing to read yet, and the
+	// policy is written into the new cluster when its berth_cluster replacement triggers this one's.
+	if r.kubeUnknown {
+		return
+	}
 	kube := r.client(&resp.Diagnostics)
 	if resp.Diagnostics.HasError() {
 		return
@@ -279,9 +308,25 @@ func (r *joinPolicyResource) Read(ctx context.Context, req resource.ReadRequest,
 	images, diags := imagesValue(p)
 	resp.Diagnostics.Append(diags...)
 	m.Images = images
+	if m.ClusterID, err = clusterID(ctx, kube); err != nil {
+		resp.Diagnostics.AddError("Reading the cluster's record", err.Error())
+		return
+	}
 	m.ID = types.StringValue(policyNamespace + "/" + cm.Name)
 	m.YAML = types.StringValue(cm.Data[policy.ConfigMapKey])
 	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+// clusterID is the ID in the cluster's Berth record; null for a cluster without one.
+func clusterID(ctx context.Context, kube kubernetes.Interface) (types.String, error) {
+	info, err := clusterinfo.Read(ctx, kube)
+	if errors.Is(err, clusterinfo.ErrNotFound) {
+		return types.StringNull(), nil
+	}
+	if err != nil {
+		return types.StringNull(), err
+	}
+	return types.StringValue(info.ID), nil
 }
 
 // imagesValue is the Terraform value of a policy read from the cluster, for drift detection.

@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/kubetest"
 	"github.com/berthlabs/berth/internal/policy"
 )
@@ -183,5 +184,41 @@ func TestJoinPolicyNeedsKubeconfig(t *testing.T) {
 			Config:      `resource "berth_join_policy" "this" { images = [] }`,
 			ExpectError: regexp.MustCompile(`needs the provider's kubeconfig`),
 		}},
+	})
+}
+
+// TestJoinPolicyClusterID checks that a policy bound to a cluster ID is written only into that cluster,
+// and that the ID of a cluster's record is read back.
+func TestJoinPolicyClusterID(t *testing.T) {
+	api := kubetest.Start(t)
+	kubeconfig := filepath.Join(t.TempDir(), "admin.conf")
+	if err := os.WriteFile(kubeconfig, api.Kubeconfig, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const id = "0123456789abcdef0123456789abcdef"
+	img := policyImage("berth-2026-11-22", `"worker"`, "")
+	bound := strings.Replace(joinPolicyConfig(kubeconfig, img), "images = [", fmt.Sprintf("cluster_id = %q\n  images = [", id), 1)
+	resource.UnitTest(t, resource.TestCase{
+		ProtoV6ProviderFactories: providers,
+		Steps: []resource.TestStep{
+			{
+				Config:      bound,
+				ExpectError: regexp.MustCompile(`(?s)The kubeconfig reaches another cluster.*belongs in cluster ` + id + `, but the\s+provider's kubeconfig reaches a cluster without a Berth record`),
+			},
+			{
+				PreConfig: func() {
+					if err := clusterinfo.Publish(context.Background(), api.Client, clusterinfo.Info{ID: id, Name: "prod"}); err != nil {
+						t.Fatal(err)
+					}
+				},
+				Config: bound,
+				Check:  resource.TestCheckResourceAttr("berth_join_policy.this", "cluster_id", id),
+			},
+			// Not set in the configuration: read from the record, and no change planned.
+			{
+				Config: joinPolicyConfig(kubeconfig, img),
+				Check:  resource.TestCheckResourceAttr("berth_join_policy.this", "cluster_id", id),
+			},
+		},
 	})
 }

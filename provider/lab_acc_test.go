@@ -22,11 +22,14 @@ import (
 
 	"github.com/hashicorp/terraform-plugin-testing/config"
 	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
+	"github.com/hashicorp/terraform-plugin-testing/plancheck"
 	"github.com/hashicorp/terraform-plugin-testing/terraform"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/test/lab"
 )
@@ -228,6 +231,12 @@ func TestAccLab(t *testing.T) {
 	}
 	example := config.StaticDirectory("../examples/lab")
 	kubeconfigPath := filepath.Join(t.TempDir(), "admin.conf")
+	// record is the cluster's own record, kept while the tests put others in its place.
+	var record clusterinfo.Info
+	newClusterPlanned := []plancheck.PlanCheck{
+		plancheck.ExpectResourceAction("berth_cluster.lab", plancheck.ResourceActionCreate),
+		plancheck.ExpectResourceAction("berth_join_policy.lab", plancheck.ResourceActionReplace),
+	}
 	oneWorker := vars([]labWorker{{"worker-0", "berthlab-a", 20}}, "berthlab-a", "berthlab-b")
 	dropped := vars([]labWorker{{"worker-0", "berthlab-a", 20}, {"worker-1", "berthlab-b", 21}}, "berthlab-a")
 
@@ -270,9 +279,31 @@ func TestAccLab(t *testing.T) {
 			ImportStateId:     "berth-join-policy",
 			ImportStateVerify: true,
 		},
-		// Last, so that the destroy at the end runs with the example's configuration: a refresh of everything
-		// (berth_cluster reads the cluster's record) and a plan without changes.
+		// Another cluster answers at the address: berth_cluster leaves state, and the plan initializes a new
+		// one and writes the policy into it. A plan only: nothing is applied.
 		{
+			PreConfig: func() {
+				record = replaceClusterRecord(t, kubeconfigPath, &clusterinfo.Info{ID: strings.Repeat("0", 32), Name: "other"})
+			},
+			ConfigDirectory:    example,
+			ConfigVariables:    dropped,
+			PlanOnly:           true,
+			ExpectNonEmptyPlan: true,
+			ConfigPlanChecks:   resource.ConfigPlanChecks{PostApplyPostRefresh: newClusterPlanned},
+		},
+		// The API server answers without a Berth record: the cluster is gone.
+		{
+			PreConfig:          func() { replaceClusterRecord(t, kubeconfigPath, nil) },
+			ConfigDirectory:    example,
+			ConfigVariables:    dropped,
+			PlanOnly:           true,
+			ExpectNonEmptyPlan: true,
+			ConfigPlanChecks:   resource.ConfigPlanChecks{PostApplyPostRefresh: newClusterPlanned},
+		},
+		// Last, so that the destroy at the end runs with the example's configuration: with the record back, a
+		// refresh of everything (berth_cluster reads the record) plans no change.
+		{
+			PreConfig:       func() { replaceClusterRecord(t, kubeconfigPath, &record) },
 			ConfigDirectory: example,
 			ConfigVariables: dropped,
 			PlanOnly:        true,
@@ -363,6 +394,35 @@ func nodesReady(ctx context.Context, dir string, names ...string) resource.TestC
 		defer cancel()
 		return l.WaitReady(ctx, nodes)
 	}
+}
+
+// replaceClusterRecord puts info in place of the cluster's record (deletes it if info is nil) and returns
+// the record that was there.
+func replaceClusterRecord(t *testing.T, kubeconfigPath string, info *clusterinfo.Info) clusterinfo.Info {
+	t.Helper()
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfigPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	old, err := clusterinfo.Read(ctx, kube)
+	if err != nil && !errors.Is(err, clusterinfo.ErrNotFound) {
+		t.Fatal(err)
+	}
+	err = kube.CoreV1().ConfigMaps(clusterinfo.Namespace).Delete(ctx, clusterinfo.Name, metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	if info != nil {
+		if err := clusterinfo.Publish(ctx, kube, *info); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return old
 }
 
 // writeKubeconfig writes the kubeconfig berth_cluster keeps in state to path.

@@ -72,6 +72,8 @@ type providerModel struct {
 type providerData struct {
 	// kube is nil when no kubeconfig was configured; resources that need the cluster say so.
 	kube kubernetes.Interface
+	// kubeUnknown is a kubeconfig that is not known yet: one from a berth_cluster that this run creates.
+	kubeUnknown bool
 }
 
 // Configure connects to the cluster when a kubeconfig is given. Provider configuration is never stored in
@@ -82,7 +84,7 @@ func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureReq
 	if resp.Diagnostics.HasError() {
 		return
 	}
-	data := &providerData{}
+	data := &providerData{kubeUnknown: cfg.Kubeconfig.IsUnknown()}
 	if !cfg.Kubeconfig.IsNull() && !cfg.Kubeconfig.IsUnknown() {
 		rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(cfg.Kubeconfig.ValueString()))
 		if err != nil {

@@ -172,6 +172,8 @@ provider "berth" {
 
 resource "berth_join_policy" "lab" {
   provider = berth.lab
+  # Written only into this cluster; a new cluster gets it written again.
+  cluster_id = berth_cluster.lab.cluster_id
   images = [for image in data.berth_image.lab.images : {
     name  = image.name
     roles = ["control-plane", "worker"]

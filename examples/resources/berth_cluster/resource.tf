@@ -55,6 +55,8 @@ provider "berth" {
 
 resource "berth_join_policy" "this" {
   provider = berth.cluster
+  # Written only into this cluster; a new cluster gets it written again.
+  cluster_id = berth_cluster.this.cluster_id
   images = [{
     name  = data.berth_image.current.name
     roles = ["control-plane", "worker"]
