@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what Berth's build and tests need on Debian 12: the TPM emulator with its certificate tooling,
 # cryptsetup for LUKS2, protoc for `make generate`, openssl for certificate cross-checks, and for the
-# real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for.
+# real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for; for the
+# measured-boot tests binutils' objcopy (joins unified kernel images), osslsigncode (an independent
+# Authenticode hash) and QEMU with OVMF (boots them with a swtpm); and Terraform (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
@@ -33,6 +35,9 @@ declare -A pkgs=(
 	[conntrack]=conntrack
 	[socat]=socat
 	[ethtool]=ethtool
+	[objcopy]=binutils
+	[osslsigncode]=osslsigncode
+	[qemu-system-x86_64]=qemu-system-x86
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.
@@ -58,6 +63,7 @@ for cmd in "${!pkgs[@]}"; do
 	command -v "$cmd" >/dev/null || [ -x "/usr/sbin/$cmd" ] || [ -x "/sbin/$cmd" ] || missing+=("${pkgs[$cmd]}")
 done
 [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+[ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] || missing+=(ovmf)
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
 	sudo=sudo

@@ -110,6 +110,18 @@ func (m *Manifest) Validate() error {
 	return nil
 }
 
+// Marshal is the manifest as berth-image.json, refused unless Parse would accept it.
+func (m *Manifest) Marshal() ([]byte, error) {
+	if err := m.Validate(); err != nil {
+		return nil, err
+	}
+	data, err := json.MarshalIndent(m, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	return append(data, '\n'), nil
+}
+
 // Image returns the image called name.
 func (m *Manifest) Image(name string) (Image, bool) {
 	for _, img := range m.Images {
@@ -131,7 +143,7 @@ func (m *Manifest) Names() []string {
 
 // Validate checks one image.
 func (img Image) Validate() error {
-	if err := validateName(img.Name); err != nil {
+	if err := ValidateName(img.Name); err != nil {
 		return err
 	}
 	if err := validateText("builder", img.Builder, maxBuilderLen, true); err != nil {
@@ -169,7 +181,8 @@ func (img Image) Validate() error {
 	return nil
 }
 
-func validateName(name string) error {
+// ValidateName checks an image name: it becomes a join policy's image name, so it follows the same rule.
+func ValidateName(name string) error {
 	if name == "" {
 		return errors.New("name is empty")
 	}
@@ -213,7 +226,7 @@ func isLowerHex(s string, n int) bool {
 
 // nameForError quotes a valid name for an error message; an invalid one is reported by Validate itself.
 func nameForError(name string) string {
-	if validateName(name) != nil {
+	if ValidateName(name) != nil {
 		return ""
 	}
 	return fmt.Sprintf(" (%q)", name)

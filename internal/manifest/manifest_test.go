@@ -121,3 +121,29 @@ func TestErrorsDoNotEchoLongKeys(t *testing.T) {
 		t.Fatalf("error %v echoes the refused key at length", err)
 	}
 }
+
+func TestMarshalRoundTrip(t *testing.T) {
+	data, err := os.ReadFile("testdata/berth-image.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := m.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := Parse(out)
+	if err != nil {
+		t.Fatalf("Parse(Marshal()) = %v\n%s", err, out)
+	}
+	if fmt.Sprint(again) != fmt.Sprint(m) {
+		t.Errorf("round trip changed the manifest:\n%v\n%v", m, again)
+	}
+	m.Images[0].PCRs["11"] = "XYZ"
+	if _, err := m.Marshal(); err == nil {
+		t.Error("Marshal wrote a manifest Parse refuses")
+	}
+}

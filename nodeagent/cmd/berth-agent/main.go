@@ -31,6 +31,7 @@ Usage:
   berth-agent boot        [--config FILE]   unlock or create the state disk, attest, join or init, then serve joins on control-plane nodes
   berth-agent joinservice [--config FILE]   serve join tickets from this control-plane node's stored secrets
   berth-agent status      [--config FILE] [--json]   what this node is and why
+  berth-agent measure     --uki FILE [--json]        predict the PCR values booting this UKI produces
   berth-agent version
 `
 
@@ -53,6 +54,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "version", "--version":
 		fmt.Fprintf(stdout, "berth-agent %s (Kubernetes %s, %s %s/%s)\n", version, kubernetesVersion, runtime.Version(), runtime.GOOS, runtime.GOARCH)
 		return 0
+	case "measure":
+		return runMeasure(args, stdout, stderr)
 	case "boot", "joinservice", "status":
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)

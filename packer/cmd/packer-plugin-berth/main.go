@@ -1,0 +1,24 @@
+// Command packer-plugin-berth is Berth's Packer plugin: the post-processor berth-manifest, which predicts the
+// TPM measurements of a built image and writes berth-image.json for Terraform's data.berth_image. Packer
+// starts it as a plugin; install it with make packer-plugin.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/hashicorp/packer-plugin-sdk/plugin"
+
+	"github.com/berthlabs/berth/packer/postprocessor/manifest"
+	"github.com/berthlabs/berth/packer/version"
+)
+
+func main() {
+	set := plugin.NewSet()
+	set.RegisterPostProcessor("manifest", new(manifest.PostProcessor))
+	set.SetVersion(version.PluginVersion)
+	if err := set.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}

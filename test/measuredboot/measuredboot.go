@@ -1,0 +1,152 @@
+// Package measuredboot boots a unified kernel image (UKI) the way a cloud's UEFI VM with a vTPM boots it:
+// QEMU (TCG: this host has no KVM) with OVMF as firmware, a swtpm as the TPM, and the UKI as the only boot
+// option, on an EFI system partition at the removable-media path. Tests compare what the TPM measured on
+// that boot with Berth's prediction (internal/measure).
+package measuredboot
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Firmware is OVMF from Debian's ovmf package: code and the template of its variable store.
+const (
+	FirmwareCode = "/usr/share/OVMF/OVMF_CODE_4M.fd"
+	FirmwareVars = "/usr/share/OVMF/OVMF_VARS_4M.fd"
+)
+
+// Machine is one boot.
+type Machine struct {
+	// UKI is the image to boot.
+	UKI string
+	// Dir receives the ESP, the TPM state, the variable store and the logs.
+	Dir string
+	// Console, if set, receives the serial console as the machine writes it.
+	Console io.Writer
+}
+
+// Boot boots m until the guest powers off or ctx ends, and returns its serial console output.
+func (m Machine) Boot(ctx context.Context) (string, error) {
+	for _, tool := range []string{"qemu-system-x86_64", "swtpm"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return "", fmt.Errorf("%s not found: run make deps (installs qemu-system-x86, ovmf and swtpm)", tool)
+		}
+	}
+	for _, f := range []string{FirmwareCode, FirmwareVars} {
+		if _, err := os.Stat(f); err != nil {
+			return "", fmt.Errorf("OVMF firmware: %w (run make deps: installs ovmf)", err)
+		}
+	}
+	boot := filepath.Join(m.Dir, "esp", "EFI", "BOOT")
+	if err := os.MkdirAll(boot, 0o755); err != nil {
+		return "", err
+	}
+	if err := copyFile(m.UKI, filepath.Join(boot, "BOOTX64.EFI")); err != nil {
+		return "", err
+	}
+	vars := filepath.Join(m.Dir, "OVMF_VARS.fd")
+	if err := copyFile(FirmwareVars, vars); err != nil {
+		return "", err
+	}
+	tpmDir := filepath.Join(m.Dir, "tpm")
+	if err := os.MkdirAll(tpmDir, 0o700); err != nil {
+		return "", err
+	}
+	ctrl := filepath.Join(tpmDir, "ctrl.sock")
+	// The firmware starts the TPM (TPM2_Startup) and measures into it; swtpm ends with the connection.
+	tpm := exec.CommandContext(ctx, "swtpm", "socket", "--tpm2", "--tpmstate", "dir="+tpmDir,
+		"--ctrl", "type=unixio,path="+ctrl, "--terminate", "--log", "file="+filepath.Join(tpmDir, "swtpm.log"))
+	if err := tpm.Start(); err != nil {
+		return "", fmt.Errorf("swtpm: %w", err)
+	}
+	defer tpm.Wait()
+	defer tpm.Process.Kill()
+	if err := waitForFile(ctrl, 10*time.Second); err != nil {
+		return "", fmt.Errorf("swtpm did not make its control socket: %w", err)
+	}
+
+	var console bytes.Buffer
+	var out io.Writer = &console
+	if m.Console != nil {
+		out = io.MultiWriter(&console, m.Console)
+	}
+	qemu := exec.CommandContext(ctx, "qemu-system-x86_64",
+		"-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
+		// Only the devices below: OVMF then tries no other boot option first, so PCR 4 holds exactly
+		// the UKI's boot.
+		"-nodefaults", "-nographic", "-serial", "stdio", "-no-reboot",
+		"-drive", "if=pflash,format=raw,unit=0,readonly=on,file="+FirmwareCode,
+		"-drive", "if=pflash,format=raw,unit=1,file="+vars,
+		"-chardev", "socket,id=chrtpm,path="+ctrl,
+		"-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
+		"-device", "tpm-tis,tpmdev=tpm0",
+		"-drive", "if=none,id=esp,format=raw,readonly=on,file=fat:"+filepath.Join(m.Dir, "esp"),
+		"-device", "virtio-blk-pci,drive=esp,bootindex=0",
+	)
+	qemu.Stdout, qemu.Stderr = out, out
+	err := qemu.Run()
+	if ctx.Err() != nil {
+		return console.String(), fmt.Errorf("the machine did not power off in time: %w", ctx.Err())
+	}
+	if err != nil {
+		return console.String(), fmt.Errorf("qemu: %w", err)
+	}
+	return console.String(), nil
+}
+
+// PCRs are the values the guest's pcrinit printed ("BERTH-PCR <index> <hex>"); an error says what the guest
+// reported instead.
+func PCRs(console string) (map[int][]byte, error) {
+	pcrs := map[int][]byte{}
+	sc := bufio.NewScanner(strings.NewReader(console))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if msg, ok := strings.CutPrefix(line, "BERTH-PCR-ERROR "); ok {
+			return nil, fmt.Errorf("the guest could not read its PCRs: %s", msg)
+		}
+		f := strings.Fields(line)
+		if len(f) != 3 || f[0] != "BERTH-PCR" {
+			continue
+		}
+		i, err := strconv.Atoi(f[1])
+		if err != nil {
+			return nil, fmt.Errorf("console line %q: %w", line, err)
+		}
+		if pcrs[i], err = hex.DecodeString(f[2]); err != nil {
+			return nil, fmt.Errorf("console line %q: %w", line, err)
+		}
+	}
+	if len(pcrs) == 0 {
+		return nil, errors.New("the guest printed no PCR values")
+	}
+	return pcrs, nil
+}
+
+func copyFile(src, dst string) error {
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, data, 0o644)
+}
+
+func waitForFile(path string, timeout time.Duration) error {
+	for deadline := time.Now().Add(timeout); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := os.Stat(path); err == nil {
+			return nil
+		} else if time.Now().After(deadline) {
+			return err
+		}
+	}
+}
