@@ -84,9 +84,10 @@ func TestAccManifest(t *testing.T) {
 	target := filepath.Join(dir, "image.efi")
 
 	acctest.TestPlugin(t, &acctest.PluginTestCase{
-		Name:     "acc-manifest",
-		Init:     true,
-		Template: fmt.Sprintf(accTemplate, version, uki, target, "berth-test", out),
+		Name:      "acc-manifest",
+		Init:      true,
+		CheckInit: initSucceeded,
+		Template:  fmt.Sprintf(accTemplate, version, uki, target, "berth-test", out),
 		Check: func(cmd *exec.Cmd, logfile string) error {
 			if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 0 {
 				return fmt.Errorf("packer build failed (see %s)", logfile)
@@ -119,9 +120,10 @@ func TestAccManifest(t *testing.T) {
 	})
 
 	acctest.TestPlugin(t, &acctest.PluginTestCase{
-		Name:     "acc-manifest-bad-name",
-		Init:     true,
-		Template: fmt.Sprintf(accTemplate, version, uki, filepath.Join(dir, "other.efi"), "Berth_Test", out),
+		Name:      "acc-manifest-bad-name",
+		Init:      true,
+		CheckInit: initSucceeded,
+		Template:  fmt.Sprintf(accTemplate, version, uki, filepath.Join(dir, "other.efi"), "Berth_Test", out),
 		Check: func(cmd *exec.Cmd, logfile string) error {
 			if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() == 0 {
 				return errors.New("packer build succeeded with an invalid image_name")
@@ -136,6 +138,14 @@ func TestAccManifest(t *testing.T) {
 			return nil
 		},
 	})
+}
+
+// initSucceeded checks that packer init found the installed plugin without network.
+func initSucceeded(cmd *exec.Cmd, logfile string) error {
+	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 0 {
+		return fmt.Errorf("packer init failed (see %s)", logfile)
+	}
+	return nil
 }
 
 // installPlugin builds the plugin and installs it where `packer init` finds it without network, returning
