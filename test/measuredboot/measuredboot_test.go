@@ -1,7 +1,9 @@
 package measuredboot
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,13 +12,16 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/measure"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/measure/ukitest"
 )
 
 // TestPredictionMatchesBoot boots a real UKI (Debian's systemd-stub and kernel, an initrd whose init reads
 // the PCRs) under OVMF with a swtpm and checks that PCR 4, 9, 11 and 12 hold exactly what internal/measure
 // predicted from the file. A UKI with one byte changed in its command line is predicted, and measured,
-// differently.
+// differently, and a join policy that admits only the first image's prediction refuses what the second
+// boot measured, naming the PCR, expected and got.
 func TestPredictionMatchesBoot(t *testing.T) {
 	parts := ukitest.BootParts(t)
 	dir := t.TempDir()
@@ -76,6 +81,26 @@ func TestPredictionMatchesBoot(t *testing.T) {
 			t.Errorf("PCR %d is the same for both command lines", pcr)
 		}
 	}
+
+	base, err := measure.PredictFile(images["base"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	img := policy.Image{Name: "berth-measured", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{}}
+	for i, d := range base.PCRs {
+		img.PCRs[i] = d[:]
+	}
+	pol := &policy.Policy{Images: []policy.Image{img}}
+	if name, err := pol.Check(metadata.RoleWorker, measured["base"], time.Now()); err != nil || name != img.Name {
+		t.Errorf("the policy of the prediction refuses the boot it predicted: %q, %v", name, err)
+	}
+	_, err = pol.Check(metadata.RoleWorker, measured["changed"], time.Now())
+	var mismatch *policy.MismatchError
+	if !errors.As(err, &mismatch) || mismatch.PCR != 4 || !bytes.Equal(mismatch.Expected, img.PCRs[4]) ||
+		!bytes.Equal(mismatch.Got, measured["changed"][4]) || !strings.Contains(err.Error(), "PCR 4") {
+		t.Errorf("the changed image's boot: %v, want a refusal naming PCR 4 with the predicted and the measured value", err)
+	}
+	t.Logf("the changed image is refused: %v", err)
 }
 
 func tail(s string, lines int) string {
