@@ -38,6 +38,7 @@ declare -A pkgs=(
 	[objcopy]=binutils
 	[osslsigncode]=osslsigncode
 	[qemu-system-x86_64]=qemu-system-x86
+	[systemd-analyze]=systemd
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.

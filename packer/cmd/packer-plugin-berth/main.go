@@ -1,6 +1,8 @@
-// Command packer-plugin-berth is Berth's Packer plugin: the post-processor berth-manifest, which predicts the
-// TPM measurements of a built image and writes berth-image.json for Terraform's data.berth_image. Packer
-// starts it as a plugin; install it with make packer-plugin.
+// Command packer-plugin-berth is Berth's Packer plugin: the provisioner berth-agent, which installs the node
+// agent, its unit and pinned Kubernetes components (checked by SHA-256) over any communicator, and the
+// post-processor berth-manifest, which predicts the TPM measurements of a built image and writes
+// berth-image.json for Terraform's data.berth_image. Packer starts it as a plugin; install it with
+// make packer-plugin.
 package main
 
 import (
@@ -10,12 +12,14 @@ import (
 	"github.com/hashicorp/packer-plugin-sdk/plugin"
 
 	"github.com/berthlabs/berth/packer/postprocessor/manifest"
+	"github.com/berthlabs/berth/packer/provisioner/agent"
 	"github.com/berthlabs/berth/packer/version"
 )
 
 func main() {
 	set := plugin.NewSet()
 	set.RegisterPostProcessor("manifest", new(manifest.PostProcessor))
+	set.RegisterProvisioner("agent", new(agent.Provisioner))
 	set.SetVersion(version.PluginVersion)
 	if err := set.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -1,0 +1,65 @@
+package agent
+
+import (
+	"fmt"
+	"path"
+	"strings"
+)
+
+// script is the install script: run by a POSIX sh on the machine the communicator reaches, it checks
+// every staged file against the SHA-256 checked locally, installs them under install_prefix, enables the
+// agent's unit and removes the staging directory, even when it fails.
+func (p *Provisioner) script(sums []string) string {
+	prefix := p.config.InstallPrefix
+	var b strings.Builder
+	b.WriteString("#!/bin/sh\n# Written by the berth-agent provisioner of packer-plugin-berth.\nset -eu\n")
+	fmt.Fprintf(&b, "staging=%s\n", quote(p.config.StagingDirectory))
+	b.WriteString(`trap 'rm -rf "$staging"' EXIT
+cd "$staging"
+
+# What arrived is what was checked before the upload; nothing is installed otherwise.
+sha256sum -c <<'EOF' || { echo "berth-agent: a staged file differs from the one checked before its upload; nothing was installed" >&2; exit 1; }
+`)
+	for i, it := range p.items {
+		fmt.Fprintf(&b, "%s  %s\n", sums[i], it.staged)
+	}
+	b.WriteString("EOF\n\n# install would put a file into a directory of the same name: refuse before installing anything.\nfor target in")
+	for _, it := range p.items {
+		fmt.Fprintf(&b, " %s", quote(path.Join(prefix, it.dest)))
+	}
+	b.WriteString(`; do
+	if [ -d "$target" ]; then
+		echo "berth-agent: $target is a directory in the image; nothing was installed" >&2
+		exit 1
+	fi
+done
+
+`)
+	for _, it := range p.items {
+		target := path.Join(prefix, it.dest)
+		fmt.Fprintf(&b, "install -D -m %s %s %s\necho %s\n", it.mode, quote(it.staged), quote(target), quote("installed "+target+" (mode "+it.mode+")"))
+	}
+
+	// systemctl enable works offline (in a chroot, or on a mounted root with --root); without systemctl,
+	// the link it would make is made here.
+	systemctl := "systemctl enable " + UnitName
+	if prefix != "/" {
+		systemctl = fmt.Sprintf("systemctl --root=%s enable %s", quote(prefix), UnitName)
+	}
+	link := path.Join(prefix, WantsLink)
+	fmt.Fprintf(&b, `
+if command -v systemctl >/dev/null 2>&1; then
+	%s
+else
+	mkdir -p %s
+	ln -sf %s %s
+	echo "enabled %s (linked into %s)"
+fi
+`, systemctl, quote(path.Dir(link)), UnitPath, quote(link), UnitName, path.Dir(WantsLink))
+	return b.String()
+}
+
+// quote makes s one word for sh.
+func quote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'"'"'`) + "'"
+}
