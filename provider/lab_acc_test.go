@@ -163,8 +163,9 @@ type labWorker struct {
 // TestAccLab is the acceptance test of issue 4: the real terraform CLI applies examples/lab, the
 // configuration of make lab, against a real lab. A machine of the wrong image is refused at init with the
 // PCR named; then the cluster is initialized, a worker joins, the policy drops an image and a worker of that
-// image is refused; a plan shows no drift, the join policy imports, and destroy leaves no machine behind.
-// State and `terraform show -json` never hold a secret.
+// image is refused; the join policy imports; with another cluster's record, or none, in the cluster a plan
+// initializes a new cluster; with its own record back a plan shows no drift; destroy leaves no machine
+// behind. State and `terraform show -json` never hold a secret.
 func TestAccLab(t *testing.T) {
 	if os.Getenv(resource.EnvTfAcc) == "" {
 		t.Skip("acceptance test against a real lab: make testacc runs it (TF_ACC=1, root)")
@@ -238,6 +239,7 @@ func TestAccLab(t *testing.T) {
 		plancheck.ExpectResourceAction("berth_join_policy.lab", plancheck.ResourceActionReplace),
 	}
 	oneWorker := vars([]labWorker{{"worker-0", "berthlab-a", 20}}, "berthlab-a", "berthlab-b")
+	droppedOnly := vars([]labWorker{{"worker-0", "berthlab-a", 20}}, "berthlab-a")
 	dropped := vars([]labWorker{{"worker-0", "berthlab-a", 20}, {"worker-1", "berthlab-b", 21}}, "berthlab-a")
 
 	steps := []resource.TestStep{
@@ -259,12 +261,20 @@ func TestAccLab(t *testing.T) {
 				noSecretsInState(t, root, tfDirs),
 			),
 		},
+		// The policy drops berthlab-b; the join service has it before the next step boots a node of it.
+		{
+			ConfigDirectory: example,
+			ConfigVariables: droppedOnly,
+			Check: resource.ComposeTestCheckFunc(
+				resource.TestCheckResourceAttr("berth_join_policy.lab", "images.#", "1"),
+				clusterPolicyImages(ctx, "berthlab-a"),
+				policyLoaded(dir, 1),
+			),
+		},
 		{
 			ConfigDirectory: example,
 			ConfigVariables: dropped,
 			Check: resource.ComposeTestCheckFunc(
-				resource.TestCheckResourceAttr("berth_join_policy.lab", "images.#", "1"),
-				clusterPolicyImages(ctx, "berthlab-a"),
 				joinRefused(ctx, dir, "worker-1"),
 				nodesReady(ctx, dir, "cp-0", "worker-0"),
 				noSecretsInState(t, root, tfDirs),
@@ -467,6 +477,24 @@ func clusterPolicyImages(ctx context.Context, want ...string) resource.TestCheck
 			return fmt.Errorf("the cluster's join policy admits %v, want %v", got, want)
 		}
 		return nil
+	}
+}
+
+// policyLoaded waits until the join service on cp-0 has loaded a policy of images images.
+func policyLoaded(dir string, images int) resource.TestCheckFunc {
+	return func(*terraform.State) error {
+		logPath := filepath.Join(dir, "nodes", "cp-0", "logs", "agent.log")
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Second) {
+			found, err := hasLogLine(logPath, func(entry map[string]any) bool {
+				return entry["msg"] == "join policy loaded" && entry["images"] == float64(images)
+			})
+			if err != nil || found {
+				return err
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("the join service on cp-0 did not load a policy of %d images within a minute (see %s)", images, logPath)
+			}
+		}
 	}
 }
 
