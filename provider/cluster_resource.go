@@ -32,6 +32,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initclient"
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
 )
 
@@ -290,6 +291,12 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 	}
 	tflog.Info(ctx, "cluster initialized", map[string]any{"cluster_id": result.ClusterId, "seconds": time.Since(start).Seconds()})
 
+	// The node derives the ID from the secrets it was sent; another ID means it did not use them.
+	if want, err := keys.ClusterIDOf(request.MasterSecret, request.Salt); err != nil || result.ClusterId != want {
+		resp.Diagnostics.AddError("The node reports another cluster",
+			fmt.Sprintf("The node at %s reports cluster %q, but the secrets sent make cluster %q (%v).", endpoint, result.ClusterId, want, err))
+		return
+	}
 	creds, err := parseKubeconfig(result.Kubeconfig)
 	if err != nil {
 		resp.Diagnostics.AddError("The node returned an unusable kubeconfig",
