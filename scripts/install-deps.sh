@@ -2,8 +2,9 @@
 # Installs what Berth's build and tests need on Debian 12: the TPM emulator with its certificate tooling,
 # cryptsetup for LUKS2, protoc for `make generate`, openssl for certificate cross-checks, and for the
 # real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for; for the
-# measured-boot tests binutils' objcopy (joins unified kernel images), osslsigncode (an independent
-# Authenticode hash) and QEMU with OVMF (boots them with a swtpm); and Terraform (below).
+# measured-boot tests and the berth-uki builder binutils' objcopy (joins unified kernel images), osslsigncode
+# (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
+# cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); and Terraform (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
@@ -39,6 +40,10 @@ declare -A pkgs=(
 	[osslsigncode]=osslsigncode
 	[qemu-system-x86_64]=qemu-system-x86
 	[systemd-analyze]=systemd
+	[sfdisk]=fdisk
+	[mkfs.vfat]=dosfstools
+	[mcopy]=mtools
+	[cpio]=cpio
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.

@@ -1,7 +1,7 @@
 // Package measuredboot boots a unified kernel image (UKI) the way a cloud's UEFI VM with a vTPM boots it:
 // QEMU (TCG: this host has no KVM) with OVMF as firmware, a swtpm as the TPM, and the UKI as the only boot
-// option, on an EFI system partition at the removable-media path. Tests compare what the TPM measured on
-// that boot with Berth's prediction (internal/measure).
+// option, on an EFI system partition at the removable-media path, or a raw disk image holding such a
+// partition. Tests compare what the TPM measured on that boot with Berth's prediction (internal/measure).
 package measuredboot
 
 import (
@@ -28,8 +28,11 @@ const (
 
 // Machine is one boot.
 type Machine struct {
-	// UKI is the image to boot.
+	// UKI is the image to boot, from an EFI system partition made for it.
 	UKI string
+	// Disk, if set, is a raw disk image booted instead of UKI, such as the berth-uki builder's: it must
+	// hold its own EFI system partition. It is attached read-only, so the boot leaves it as it was.
+	Disk string
 	// Dir receives the ESP, the TPM state, the variable store and the logs.
 	Dir string
 	// Console, if set, receives the serial console as the machine writes it.
@@ -48,11 +51,17 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 			return "", fmt.Errorf("OVMF firmware: %w (run make deps: installs ovmf)", err)
 		}
 	}
-	boot := filepath.Join(m.Dir, "esp", "EFI", "BOOT")
-	if err := os.MkdirAll(boot, 0o755); err != nil {
-		return "", err
-	}
-	if err := copyFile(m.UKI, filepath.Join(boot, "BOOTX64.EFI")); err != nil {
+	drive := "format=raw,file=" + m.Disk
+	if m.Disk == "" {
+		boot := filepath.Join(m.Dir, "esp", "EFI", "BOOT")
+		if err := os.MkdirAll(boot, 0o755); err != nil {
+			return "", err
+		}
+		if err := copyFile(m.UKI, filepath.Join(boot, "BOOTX64.EFI")); err != nil {
+			return "", err
+		}
+		drive = "format=raw,file=fat:" + filepath.Join(m.Dir, "esp")
+	} else if err := os.MkdirAll(m.Dir, 0o755); err != nil {
 		return "", err
 	}
 	vars := filepath.Join(m.Dir, "OVMF_VARS.fd")
@@ -91,7 +100,7 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		"-chardev", "socket,id=chrtpm,path="+ctrl,
 		"-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
 		"-device", "tpm-tis,tpmdev=tpm0",
-		"-drive", "if=none,id=esp,format=raw,readonly=on,file=fat:"+filepath.Join(m.Dir, "esp"),
+		"-drive", "if=none,id=esp,readonly=on,"+drive,
 		"-device", "virtio-blk-pci,drive=esp,bootindex=0",
 	)
 	qemu.Stdout, qemu.Stderr = out, out

@@ -49,7 +49,7 @@ func TestPredictionMatchesBoot(t *testing.T) {
 	}
 	images := map[string]string{
 		"base":    uki("console=ttyS0 panic=-1 quiet"),
-		"changed": uki("console=ttyS0 panic=-1 quieT"),
+		"changed": uki("console=ttyS0 panic=-2 quiet"),
 	}
 	measured := map[string]map[int][]byte{}
 	for _, name := range []string{"base", "changed"} {

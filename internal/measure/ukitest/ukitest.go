@@ -1,19 +1,21 @@
 // Package ukitest builds real unified kernel images (UKIs) for tests: Debian's systemd-stub and kernel,
-// fetched once by scripts/boot-parts.sh, joined with objcopy the way systemd's documentation shows for
-// systems without ukify (Debian 12 has none). Tests of the measurement prediction and the real-boot test
-// use the same images.
+// fetched once by scripts/boot-parts.sh, joined by internal/uki as the berth-uki builder joins them. Tests of
+// the measurement prediction and the real-boot test use the same images.
 package ukitest
 
 import (
 	"bytes"
-	"debug/pe"
+	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
+
+	"github.com/berthlabs/berth/internal/uki"
 )
 
 // Parts are the files a UKI is made of.
@@ -51,73 +53,18 @@ func BootParts(t testing.TB) Parts {
 }
 
 // Section is one section to add to the stub.
-type Section struct {
-	Name string
-	Data []byte
-}
+type Section = uki.Section
 
-// Build adds sections, in the order given, to a copy of stub with objcopy and returns the UKI's path in
-// a temporary directory of t. The sections are placed after the stub's last section, each at the next
-// address aligned to the stub's SectionAlignment, as systemd's documentation computes them from the stub's
-// headers.
+// Build adds sections, in the order given, to a copy of stub with uki.Assemble and returns the UKI's path
+// in a temporary directory of t.
 func Build(t testing.TB, stub string, sections ...Section) string {
 	t.Helper()
-	objcopy, err := exec.LookPath("objcopy")
-	if err != nil {
-		t.Fatal("objcopy not found: install binutils")
-	}
-	next, align, err := firstFreeAddress(stub)
-	if err != nil {
-		t.Fatalf("reading the stub's headers: %v", err)
-	}
-	dir := t.TempDir()
-	var args []string
-	for i, s := range sections {
-		file := filepath.Join(dir, fmt.Sprintf("section%d", i))
-		if err := os.WriteFile(file, s.Data, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		args = append(args,
-			"--add-section", s.Name+"="+file,
-			"--change-section-vma", fmt.Sprintf("%s=%#x", s.Name, next))
-		next = alignUp(next+uint64(len(s.Data)), align)
-	}
-	out := filepath.Join(dir, "uki.efi")
-	args = append(args, stub, out)
-	if b, err := exec.Command(objcopy, args...).CombinedOutput(); err != nil {
-		t.Fatalf("objcopy %s: %v\n%s", strings.Join(args, " "), err, b)
+	out := filepath.Join(t.TempDir(), "uki.efi")
+	if err := uki.Assemble(context.Background(), stub, out, sections...); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }
-
-// firstFreeAddress returns the first address after the stub's sections that is aligned to its
-// SectionAlignment, and that alignment. Addresses include ImageBase, as objcopy's VMAs do.
-func firstFreeAddress(stub string) (next, align uint64, err error) {
-	f, err := pe.Open(stub)
-	if err != nil {
-		return 0, 0, err
-	}
-	defer f.Close()
-	var base uint64
-	switch oh := f.OptionalHeader.(type) {
-	case *pe.OptionalHeader64:
-		base, align = oh.ImageBase, uint64(oh.SectionAlignment)
-	case *pe.OptionalHeader32:
-		base, align = uint64(oh.ImageBase), uint64(oh.SectionAlignment)
-	default:
-		return 0, 0, fmt.Errorf("%s has no optional header", stub)
-	}
-	if align == 0 {
-		return 0, 0, fmt.Errorf("%s has SectionAlignment 0", stub)
-	}
-	var end uint64
-	for _, s := range f.Sections {
-		end = max(end, uint64(s.VirtualAddress)+uint64(max(s.VirtualSize, s.Size)))
-	}
-	return alignUp(base+end, align), align, nil
-}
-
-func alignUp(n, align uint64) uint64 { return (n + align - 1) / align * align }
 
 // Cpio returns a newc cpio archive holding one regular file (mode 0644): enough of an initrd to measure,
 // in the format the kernel unpacks.
@@ -126,28 +73,11 @@ func Cpio(name string, data []byte) []byte { return cpio(name, 0o644, data) }
 // CpioExecutable is Cpio with the file executable (mode 0755), as an initrd's /init must be to run.
 func CpioExecutable(name string, data []byte) []byte { return cpio(name, 0o755, data) }
 
-func cpio(name string, perm uint32, data []byte) []byte {
-	var b bytes.Buffer
-	entry := func(name string, mode uint32, data []byte) {
-		// newc: magic, then 13 eight-digit hex fields: ino, mode, uid, gid, nlink, mtime, filesize,
-		// devmajor, devminor, rdevmajor, rdevminor, namesize (with its NUL), check.
-		fmt.Fprintf(&b, "070701%08x%08x%08x%08x%08x%08x%08x%08x%08x%08x%08x%08x%08x",
-			1, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(name)+1, 0)
-		b.WriteString(name)
-		b.WriteByte(0)
-		pad(&b)
-		b.Write(data)
-		pad(&b)
+// cpio panics on a name uki.WriteCpio refuses: tests pass constant names, so that is a bug in the test.
+func cpio(name string, perm fs.FileMode, data []byte) []byte {
+	b, err := uki.Cpio(uki.Entry{Path: name, Mode: perm, Data: data})
+	if err != nil {
+		panic(fmt.Sprintf("ukitest: %v", err))
 	}
-	const regularFile = 0o100000
-	entry(name, regularFile|perm, data)
-	entry("TRAILER!!!", 0, nil)
-	return b.Bytes()
-}
-
-// pad fills b to a multiple of four bytes, as newc aligns names and data.
-func pad(b *bytes.Buffer) {
-	for b.Len()%4 != 0 {
-		b.WriteByte(0)
-	}
+	return b
 }

@@ -1,4 +1,5 @@
-// Command packer-plugin-berth is Berth's Packer plugin: the provisioner berth-agent, which installs the node
+// Command packer-plugin-berth is Berth's Packer plugin: the builder berth-uki, which makes a measured UEFI
+// disk image from local files with no network, the provisioner berth-agent, which installs the node
 // agent, its unit and pinned Kubernetes components (checked by SHA-256) over any communicator, and the
 // post-processor berth-manifest, which predicts the TPM measurements of a built image and writes
 // berth-image.json for Terraform's data.berth_image. Packer starts it as a plugin; install it with
@@ -11,6 +12,7 @@ import (
 
 	"github.com/hashicorp/packer-plugin-sdk/plugin"
 
+	"github.com/berthlabs/berth/packer/builder/uki"
 	"github.com/berthlabs/berth/packer/postprocessor/manifest"
 	"github.com/berthlabs/berth/packer/provisioner/agent"
 	"github.com/berthlabs/berth/packer/version"
@@ -18,6 +20,7 @@ import (
 
 func main() {
 	set := plugin.NewSet()
+	set.RegisterBuilder("uki", new(uki.Builder))
 	set.RegisterPostProcessor("manifest", new(manifest.PostProcessor))
 	set.RegisterProvisioner("agent", new(agent.Provisioner))
 	set.SetVersion(version.PluginVersion)

@@ -12,6 +12,9 @@ import (
 	"github.com/google/go-tpm/tpm2/transport/linuxtpm"
 )
 
+// sysloglevelConsole is SYSLOG_ACTION_CONSOLE_LEVEL of syslog(2).
+const sysloglevelConsole = 8
+
 // pcrs are the PCRs Berth predicts for a UKI boot.
 var pcrs = []uint{4, 9, 11, 12}
 
@@ -19,6 +22,9 @@ func main() {
 	// The initrd holds no /dev/console, so the kernel gave init no output: open the console once /dev is
 	// mounted. Before that, the kernel's own log is all there is.
 	out := os.Stderr
+	// Kernel messages on the console would land inside the lines the test parses: keep only emergencies.
+	// syslog(2) takes the console level in its length argument.
+	syscall.Syscall(syscall.SYS_SYSLOG, sysloglevelConsole, 0, 1)
 	err := mountDev()
 	if err == nil {
 		if console, cerr := os.OpenFile("/dev/console", os.O_WRONLY, 0); cerr == nil {
@@ -60,7 +66,8 @@ func run(out *os.File) error {
 		if len(res.PCRValues.Digests) != 1 {
 			return fmt.Errorf("reading PCR %d: the TPM returned %d values", i, len(res.PCRValues.Digests))
 		}
-		fmt.Fprintf(out, "BERTH-PCR %d %x\n", i, res.PCRValues.Digests[0].Buffer)
+		// A fresh line first: a kernel message may have ended without one.
+		fmt.Fprintf(out, "\nBERTH-PCR %d %x\n", i, res.PCRValues.Digests[0].Buffer)
 	}
 	return nil
 }
