@@ -114,6 +114,18 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 	return console.String(), nil
 }
 
+// BuildInit builds pcrinit, the initrd init that prints the PCRs a boot measured, as a static binary in dir
+// and returns its path.
+func BuildInit(dir string) (string, error) {
+	init := filepath.Join(dir, "pcrinit")
+	build := exec.Command("go", "build", "-trimpath", "-o", init, "github.com/berthlabs/berth/test/measuredboot/pcrinit")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building pcrinit: %w\n%s", err, out)
+	}
+	return init, nil
+}
+
 // PCRs are the values the guest's pcrinit printed ("BERTH-PCR <index> <hex>"); an error says what the guest
 // reported instead.
 func PCRs(console string) (map[int][]byte, error) {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -25,11 +24,9 @@ import (
 func TestPredictionMatchesBoot(t *testing.T) {
 	parts := ukitest.BootParts(t)
 	dir := t.TempDir()
-	init := filepath.Join(dir, "init")
-	build := exec.Command("go", "build", "-trimpath", "-o", init, "github.com/berthlabs/berth/test/measuredboot/pcrinit")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building pcrinit: %v\n%s", err, out)
+	init, err := BuildInit(dir)
+	if err != nil {
+		t.Fatal(err)
 	}
 	initData, err := os.ReadFile(init)
 	if err != nil {

@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/packer/internal/packertest"
 	"github.com/berthlabs/berth/test/measuredboot"
 )
 
@@ -26,20 +26,13 @@ func TestAccLocalImage(t *testing.T) {
 	if os.Getenv(acctest.TestEnvVar) == "" {
 		t.Skipf("acceptance test with the real packer: make testacc-packer runs it (%s=1)", acctest.TestEnvVar)
 	}
-	if bin := os.Getenv("BERTH_PACKER_BIN"); bin != "" {
-		t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	}
-	pluginDir := installPlugin(t)
-	t.Setenv("PACKER_PLUGIN_PATH", pluginDir)
-	t.Setenv("CHECKPOINT_DISABLE", "1")
+	packertest.Setup(t)
 
 	parts := ukitest.BootParts(t)
 	dir := t.TempDir()
-	init := filepath.Join(dir, "pcrinit")
-	build := exec.Command("go", "build", "-trimpath", "-o", init, "github.com/berthlabs/berth/test/measuredboot/pcrinit")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building pcrinit: %v\n%s", err, out)
+	init, err := measuredboot.BuildInit(dir)
+	if err != nil {
+		t.Fatal(err)
 	}
 	template, err := os.ReadFile("../../../examples/packer/local.pkr.hcl")
 	if err != nil {
@@ -52,7 +45,7 @@ func TestAccLocalImage(t *testing.T) {
 	acctest.TestPlugin(t, &acctest.PluginTestCase{
 		Name:      "acc-local-image",
 		Init:      true,
-		CheckInit: exitedZero("packer init"),
+		CheckInit: packertest.ExitedZero("packer init"),
 		Template:  string(template),
 		BuildExtraArgs: []string{
 			"-var", "stub=" + parts.Stub,
@@ -62,7 +55,7 @@ func TestAccLocalImage(t *testing.T) {
 			"-var", "manifest=" + manifestPath,
 			"-var", "kubernetes_version=v1.36.3",
 		},
-		Check: exitedZero("packer build"),
+		Check: packertest.ExitedZero("packer build"),
 	})
 	t.Logf("packer init and build: %.1fs", time.Since(start).Seconds())
 	if t.Failed() {
@@ -106,31 +99,6 @@ func TestAccLocalImage(t *testing.T) {
 			t.Errorf("PCR %d: berth-image.json expects %s, the boot measured %x", pcr, want, got[pcr])
 		}
 	}
-}
-
-func exitedZero(what string) func(*exec.Cmd, string) error {
-	return func(cmd *exec.Cmd, logfile string) error {
-		if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 0 {
-			log, _ := os.ReadFile(logfile)
-			return fmt.Errorf("%s failed:\n%s", what, tail(string(log), 40))
-		}
-		return nil
-	}
-}
-
-// installPlugin builds the plugin and installs it where `packer init` finds it without network, returning
-// the plugin directory.
-func installPlugin(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "packer-plugin-berth")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/berthlabs/berth/packer/cmd/packer-plugin-berth").CombinedOutput(); err != nil {
-		t.Fatalf("building the plugin: %v\n%s", err, out)
-	}
-	dir := t.TempDir()
-	if out, err := exec.Command("../../../scripts/install-packer-plugin.sh", bin, dir).CombinedOutput(); err != nil {
-		t.Fatalf("installing the plugin: %v\n%s", err, out)
-	}
-	return dir
 }
 
 func tail(s string, lines int) string {

@@ -15,6 +15,7 @@ import (
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure"
 	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/packer/internal/packertest"
 )
 
 const accTemplate = `
@@ -51,13 +52,7 @@ func TestAccManifest(t *testing.T) {
 	if os.Getenv(acctest.TestEnvVar) == "" {
 		t.Skipf("acceptance test with the real packer: make testacc-packer runs it (%s=1)", acctest.TestEnvVar)
 	}
-	// make testacc-packer builds Packer from its module and names its directory here.
-	if bin := os.Getenv("BERTH_PACKER_BIN"); bin != "" {
-		t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
-	}
-	pluginDir, version := installPlugin(t)
-	t.Setenv("PACKER_PLUGIN_PATH", pluginDir)
-	t.Setenv("CHECKPOINT_DISABLE", "1")
+	version := packertest.Setup(t)
 
 	parts := ukitest.BootParts(t)
 	uki := ukitest.Build(t, parts.Stub,
@@ -86,7 +81,7 @@ func TestAccManifest(t *testing.T) {
 	acctest.TestPlugin(t, &acctest.PluginTestCase{
 		Name:      "acc-manifest",
 		Init:      true,
-		CheckInit: initSucceeded,
+		CheckInit: packertest.ExitedZero("packer init"),
 		Template:  fmt.Sprintf(accTemplate, version, uki, target, "berth-test", out),
 		Check: func(cmd *exec.Cmd, logfile string) error {
 			if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 0 {
@@ -122,7 +117,7 @@ func TestAccManifest(t *testing.T) {
 	acctest.TestPlugin(t, &acctest.PluginTestCase{
 		Name:      "acc-manifest-bad-name",
 		Init:      true,
-		CheckInit: initSucceeded,
+		CheckInit: packertest.ExitedZero("packer init"),
 		Template:  fmt.Sprintf(accTemplate, version, uki, filepath.Join(dir, "other.efi"), "Berth_Test", out),
 		Check: func(cmd *exec.Cmd, logfile string) error {
 			if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() == 0 {
@@ -138,35 +133,6 @@ func TestAccManifest(t *testing.T) {
 			return nil
 		},
 	})
-}
-
-// initSucceeded checks that packer init found the installed plugin without network.
-func initSucceeded(cmd *exec.Cmd, logfile string) error {
-	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 0 {
-		return fmt.Errorf("packer init failed (see %s)", logfile)
-	}
-	return nil
-}
-
-// installPlugin builds the plugin and installs it where `packer init` finds it without network, returning
-// the plugin directory and the plugin's version.
-func installPlugin(t *testing.T) (string, string) {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "packer-plugin-berth")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/berthlabs/berth/packer/cmd/packer-plugin-berth").CombinedOutput(); err != nil {
-		t.Fatalf("building the plugin: %v\n%s", err, out)
-	}
-	dir := t.TempDir()
-	out, err := exec.Command("../../../scripts/install-packer-plugin.sh", bin, dir).CombinedOutput()
-	if err != nil {
-		t.Fatalf("installing the plugin: %v\n%s", err, out)
-	}
-	name := filepath.Base(strings.TrimSpace(string(out)))
-	version, _, ok := strings.Cut(strings.TrimPrefix(name, "packer-plugin-berth_v"), "_")
-	if !ok {
-		t.Fatalf("unexpected installed name %s", name)
-	}
-	return dir, version
 }
 
 func mustRead(t *testing.T, path string) []byte {
