@@ -1,10 +1,14 @@
 package uki
 
 import (
+	"bytes"
+	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestPrepare(t *testing.T) {
@@ -138,5 +142,37 @@ func TestDocsListEveryOption(t *testing.T) {
 	}
 	for name := range documented {
 		t.Errorf("packer/docs/builders/uki.mdx documents %s, which is no option", name)
+	}
+}
+
+// TestDiskReproducible makes the disk of one UKI twice, more than a FAT time step apart, and finds the same bytes; and
+// sfdisk reads back an ESP at the partition the builder copied the file system to.
+func TestDiskReproducible(t *testing.T) {
+	dir := t.TempDir()
+	uki := filepath.Join(dir, "berth.efi")
+	if err := os.WriteFile(uki, bytes.Repeat([]byte("berth uki "), 100_000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var disks [2][]byte
+	for i := range disks {
+		if i > 0 {
+			time.Sleep(2100 * time.Millisecond) // FAT stores times to two seconds
+		}
+		raw := filepath.Join(dir, fmt.Sprintf("disk%d.raw", i))
+		if err := makeDisk(context.Background(), raw, uki, DefaultDiskSize); err != nil {
+			t.Fatal(err)
+		}
+		data, err := os.ReadFile(raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		disks[i] = data
+	}
+	if !bytes.Equal(disks[0], disks[1]) {
+		t.Error("the same UKI made two different disks")
+	}
+	start, sectors, err := espExtent(context.Background(), filepath.Join(dir, "disk0.raw"))
+	if err != nil || start != 2048 || sectors <= 0 {
+		t.Errorf("ESP at sector %d, %d sectors (%v); want it at 2048", start, sectors, err)
 	}
 }

@@ -2,6 +2,7 @@ package uki
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,6 +11,9 @@ import (
 	"strconv"
 	"strings"
 )
+
+// fatEpoch is 1980-01-01T00:00:00Z, the earliest time FAT can store, as Unix seconds.
+const fatEpoch = "315532800"
 
 // espType is the GPT partition type of an EFI system partition.
 const espType = "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"
@@ -43,7 +47,12 @@ func makeDisk(ctx context.Context, path, uki string, size int64) error {
 	if err := os.Truncate(path, size); err != nil {
 		return err
 	}
-	table := fmt.Sprintf("label: gpt\nstart=2048, type=%s, name=\"EFI system partition\"\n", espType)
+	diskID, partID, err := diskGUIDs(uki)
+	if err != nil {
+		return err
+	}
+	table := fmt.Sprintf("label: gpt\nlabel-id: %s\nstart=2048, type=%s, uuid=%s, name=\"EFI system partition\"\n",
+		diskID, espType, partID)
 	if _, err := run(ctx, strings.NewReader(table), "sfdisk", "--quiet", path); err != nil {
 		return fmt.Errorf("writing the partition table: %w", err)
 	}
@@ -67,6 +76,29 @@ func makeDisk(ctx context.Context, path, uki string, size int64) error {
 		return fmt.Errorf("copying the UKI to EFI/BOOT/BOOTX64.EFI: %w", err)
 	}
 	return copyAt(esp, path, start*512)
+}
+
+// diskGUIDs are the disk's and the partition's GUIDs, derived from the UKI rather than drawn at random, so that
+// the same UKI always gives the same disk, byte for byte.
+func diskGUIDs(uki string) (disk, part string, err error) {
+	f, err := os.Open(uki)
+	if err != nil {
+		return "", "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", "", fmt.Errorf("hashing the UKI: %w", err)
+	}
+	sum := h.Sum(nil)
+	return guid(sum[:16]), guid(sum[16:]), nil
+}
+
+// guid formats 16 bytes as an RFC 4122 UUID of version 4 and the RFC variant, the form GPT tools expect.
+func guid(b []byte) string {
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%X-%X-%X-%X-%X", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
 
 // espExtent reads the partition's first sector and length back from the table sfdisk wrote, which aligns
@@ -121,8 +153,13 @@ func run(ctx context.Context, stdin io.Reader, name string, args ...string) ([]b
 	}
 	cmd := exec.CommandContext(ctx, path, args...)
 	cmd.Stdin = stdin
-	// mtools refuses images whose geometry it finds odd unless told not to check.
+	// mtools refuses images whose geometry it finds odd unless told not to check. It stamps files and
+	// directories with SOURCE_DATE_EPOCH when set (else the time of the build): the start of FAT time keeps
+	// the file system the same from build to build.
 	cmd.Env = append(os.Environ(), "MTOOLS_SKIP_CHECK=1")
+	if os.Getenv("SOURCE_DATE_EPOCH") == "" {
+		cmd.Env = append(cmd.Env, "SOURCE_DATE_EPOCH="+fatEpoch)
+	}
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
