@@ -19,6 +19,7 @@
 package measure
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -82,6 +83,15 @@ func (m Mismatch) String() string {
 		return fmt.Sprintf("PCR %d: expected %s, got no value", m.PCR, m.Expected)
 	}
 	return fmt.Sprintf("PCR %d: expected %s, got %x", m.PCR, m.Expected, m.Got)
+}
+
+// Values are the predicted PCR values as byte slices, the form join policies and quotes use.
+func (r *Result) Values() map[int][]byte {
+	out := make(map[int][]byte, len(r.PCRs))
+	for i, d := range r.PCRs {
+		out[i] = bytes.Clone(d[:])
+	}
+	return out
 }
 
 // Compare checks actual PCR values (from a quote or a TPM read) against the prediction and returns the

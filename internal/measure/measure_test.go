@@ -357,3 +357,15 @@ func BenchmarkPredict(b *testing.B) {
 	b.ReportMetric(float64(len(data))*float64(b.N)/baseline.Seconds()/1e6, "sha256-MB/s")
 	b.ReportMetric(float64(b.Elapsed())/float64(baseline), "x-sha256")
 }
+
+func TestValues(t *testing.T) {
+	r := &Result{PCRs: map[int]Digest{4: {1}, 9: {2}, 11: {3}, 12: {}}}
+	v := r.Values()
+	if len(v) != 4 || len(r.Compare(v)) != 0 {
+		t.Fatalf("Values() = %x, which Compare does not accept", v)
+	}
+	v[4][0] = 0xff
+	if r.PCRs[4][0] != 1 {
+		t.Error("changing a value changed the prediction")
+	}
+}

@@ -49,11 +49,13 @@ func TestPredictionMatchesBoot(t *testing.T) {
 		"changed": uki("console=ttyS0 panic=-2 quiet"),
 	}
 	measured := map[string]map[int][]byte{}
+	predictions := map[string]*measure.Result{}
 	for _, name := range []string{"base", "changed"} {
 		predicted, err := measure.PredictFile(images[name])
 		if err != nil {
 			t.Fatal(err)
 		}
+		predictions[name] = predicted
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		start := time.Now()
 		console, err := Machine{UKI: images[name], Dir: filepath.Join(dir, name)}.Boot(ctx)
@@ -79,14 +81,7 @@ func TestPredictionMatchesBoot(t *testing.T) {
 		}
 	}
 
-	base, err := measure.PredictFile(images["base"])
-	if err != nil {
-		t.Fatal(err)
-	}
-	img := policy.Image{Name: "berth-measured", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{}}
-	for i, d := range base.PCRs {
-		img.PCRs[i] = d[:]
-	}
+	img := policy.Image{Name: "berth-measured", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: predictions["base"].Values()}
 	pol := &policy.Policy{Images: []policy.Image{img}}
 	if name, err := pol.Check(metadata.RoleWorker, measured["base"], time.Now()); err != nil || name != img.Name {
 		t.Errorf("the policy of the prediction refuses the boot it predicted: %q, %v", name, err)

@@ -8,9 +8,5 @@ func predictUKI(path string) (map[int][]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	pcrs := make(map[int][]byte, len(res.PCRs))
-	for i, d := range res.PCRs {
-		pcrs[i] = d[:]
-	}
-	return pcrs, nil
+	return res.Values(), nil
 }
