@@ -4,7 +4,9 @@
 # real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for; for the
 # measured-boot tests and the berth-uki builder binutils' objcopy (joins unified kernel images), osslsigncode
 # (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
-# cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); and Terraform (below).
+# cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); mmdebstrap (the root file system of
+# the local node image, from Debian's archive) and busybox-static (a shell for chroot tests); and Terraform
+# (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
@@ -44,6 +46,8 @@ declare -A pkgs=(
 	[mkfs.vfat]=dosfstools
 	[mcopy]=mtools
 	[cpio]=cpio
+	[mmdebstrap]=mmdebstrap
+	[busybox]=busybox-static
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.

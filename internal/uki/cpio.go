@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"os"
 	"path"
+	"path/filepath"
 	"strings"
 )
 
@@ -15,9 +17,10 @@ type Entry struct {
 	// Path inside the archive, such as `init` or `usr/bin/x`; a leading `/` is dropped, as the kernel
 	// unpacks relative to the root.
 	Path string
-	// Mode is the permission bits, with fs.ModeDir for a directory; other types are refused.
+	// Mode is the permission bits, with fs.ModeDir for a directory or fs.ModeSymlink for a symbolic link;
+	// other types are refused.
 	Mode fs.FileMode
-	// Data is a regular file's content; a directory has none.
+	// Data is a regular file's content or a symbolic link's target; a directory has none.
 	Data []byte
 }
 
@@ -54,8 +57,11 @@ func (c *cpioWriter) add(e Entry) error {
 	if name == "" || path.Clean(name) != name || name == ".." || strings.HasPrefix(name, "../") || strings.ContainsRune(name, 0) {
 		return fmt.Errorf("cpio entry %q: want a clean path below the root, such as init or usr/bin/x", e.Path)
 	}
-	if e.Mode&^(fs.ModeDir|fs.ModePerm|fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky) != 0 {
-		return fmt.Errorf("cpio entry %s: mode %v: only regular files and directories are supported", name, e.Mode)
+	if e.Mode&^(fs.ModeDir|fs.ModeSymlink|fs.ModePerm|fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky) != 0 || e.Mode&fs.ModeDir != 0 && e.Mode&fs.ModeSymlink != 0 {
+		return fmt.Errorf("cpio entry %s: mode %v: only regular files, directories and symbolic links are supported", name, e.Mode)
+	}
+	if e.Mode&fs.ModeSymlink != 0 && len(e.Data) == 0 {
+		return fmt.Errorf("cpio entry %s: a symbolic link without a target", name)
 	}
 	if e.Mode.IsDir() && len(e.Data) > 0 {
 		return fmt.Errorf("cpio entry %s: a directory with data", name)
@@ -82,9 +88,12 @@ func (c *cpioWriter) add(e Entry) error {
 	if e.Mode&fs.ModeSticky != 0 {
 		mode |= 0o1000
 	}
-	if e.Mode.IsDir() {
+	switch {
+	case e.Mode.IsDir():
 		mode |= 0o040000
-	} else {
+	case e.Mode&fs.ModeSymlink != 0:
+		mode |= 0o120000
+	default:
 		mode |= 0o100000
 	}
 	return c.write(name, mode, e.Data)
@@ -130,4 +139,65 @@ func Cpio(entries ...Entry) ([]byte, error) {
 		return nil, err
 	}
 	return b.Bytes(), nil
+}
+
+// TreeEntries reads the directory tree at root into entries, in lexical order so that every directory
+// comes before what it holds: directories and regular files with their permission bits, symbolic links
+// with their targets (not followed). Hard links become copies. Device nodes, sockets and pipes are refused,
+// naming the path: an initrd gets /dev from devtmpfs at boot.
+func TreeEntries(root string) ([]Entry, error) {
+	var entries []Entry
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(root, p)
+		if err != nil {
+			return err
+		}
+		if rel == "." {
+			return nil
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		e := Entry{Path: filepath.ToSlash(rel), Mode: info.Mode() & (fs.ModePerm | fs.ModeSetuid | fs.ModeSetgid | fs.ModeSticky)}
+		switch t := info.Mode().Type(); {
+		case t == fs.ModeDir:
+			e.Mode |= fs.ModeDir
+		case t == fs.ModeSymlink:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			e.Mode, e.Data = fs.ModeSymlink|0o777, []byte(target)
+		case t.IsRegular():
+			if e.Data, err = os.ReadFile(p); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("%s is a %s: an initrd holds directories, regular files and symbolic links only", p, typeName(t))
+		}
+		entries = append(entries, e)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading the tree %s: %w", root, err)
+	}
+	return entries, nil
+}
+
+func typeName(t fs.FileMode) string {
+	switch {
+	case t&fs.ModeDevice != 0 && t&fs.ModeCharDevice != 0:
+		return "character device"
+	case t&fs.ModeDevice != 0:
+		return "block device"
+	case t&fs.ModeNamedPipe != 0:
+		return "named pipe"
+	case t&fs.ModeSocket != 0:
+		return "socket"
+	}
+	return "special file"
 }

@@ -8,6 +8,7 @@
 package uki
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -54,7 +55,13 @@ type Config struct {
 	Cmdline string `mapstructure:"cmdline" required:"true"`
 	// Content of the UKI's .osrel section. Defaults to `ID=berth` and `NAME=Berth`.
 	OSRelease string `mapstructure:"os_release"`
-	// Files put in an uncompressed cpio archive, the start of the initrd.
+	// A directory tree that becomes the initrd's root file system, such as one made by
+	// `mmdebstrap --variant=extract`. The build copies it, writes initrd_files into the copy, runs the
+	// template's provisioners in a chroot of the copy (chroot needs root: run packer build as root), then
+	// archives the copy as the start of the initrd. Without it, provisioners have no machine to reach.
+	RootDirectory string `mapstructure:"root_directory"`
+	// Files put in an uncompressed cpio archive, the start of the initrd; with root_directory, they are
+	// written into its copy, replacing files of the same path.
 	InitrdFiles []InitrdFile `mapstructure:"initrd_files"`
 	// Existing initrd files, such as Debian's zstd initrd, appended after the generated archive.
 	InitrdAppend []string `mapstructure:"initrd_append"`
@@ -152,6 +159,13 @@ func (b *Builder) Prepare(raws ...any) ([]string, []string, error) {
 		}
 		b.modes[i] = fs.FileMode(mode)
 	}
+	if c.RootDirectory != "" {
+		if fi, err := os.Stat(c.RootDirectory); err != nil {
+			errs = append(errs, fmt.Errorf("root_directory: %w", err))
+		} else if !fi.IsDir() {
+			errs = append(errs, fmt.Errorf("root_directory: %s is not a directory", c.RootDirectory))
+		}
+	}
 	for i, f := range c.InitrdAppend {
 		if err := regularFile(f); err != nil {
 			errs = append(errs, fmt.Errorf("initrd_append[%d]: %w", i, err))
@@ -217,7 +231,7 @@ func lookTool(name string) (string, error) {
 	return "", fmt.Errorf("%s not found", name)
 }
 
-func (b *Builder) Run(ctx context.Context, ui packersdk.Ui, _ packersdk.Hook) (packersdk.Artifact, error) {
+func (b *Builder) Run(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook) (packersdk.Artifact, error) {
 	c := &b.config
 	if c.PackerForce {
 		if err := os.RemoveAll(c.OutputDirectory); err != nil {
@@ -235,7 +249,7 @@ func (b *Builder) Run(ctx context.Context, ui packersdk.Ui, _ packersdk.Hook) (p
 		efi: filepath.Join(c.OutputDirectory, c.Name+".efi"),
 		raw: filepath.Join(c.OutputDirectory, c.Name+".raw"),
 	}
-	if err := b.build(ctx, ui, art); err != nil {
+	if err := b.build(ctx, ui, hook, art); err != nil {
 		// A partial output is worth nothing and would block the next build without -force.
 		os.RemoveAll(c.OutputDirectory)
 		return nil, err
@@ -243,16 +257,36 @@ func (b *Builder) Run(ctx context.Context, ui packersdk.Ui, _ packersdk.Hook) (p
 	return art, nil
 }
 
-func (b *Builder) build(ctx context.Context, ui packersdk.Ui, art *Artifact) error {
+func (b *Builder) build(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, art *Artifact) error {
 	c := &b.config
+	var entries []ukiimage.Entry
+	var err error
+	if c.RootDirectory != "" {
+		if entries, err = b.provisionRoot(ctx, ui, hook, filepath.Join(c.OutputDirectory, "root")); err != nil {
+			return err
+		}
+	} else {
+		// Packer runs provisioners only through the hook: with no root to provision, they get no
+		// communicator, and berth-agent says so.
+		if err := hook.Run(ctx, packersdk.HookProvision, ui, nil, nil); err != nil {
+			return err
+		}
+		if entries, err = b.fileEntries(); err != nil {
+			return err
+		}
+	}
 	start := time.Now()
-	initrd, err := b.initrd()
+	initrd, err := b.initrd(entries)
 	if err != nil {
 		return err
 	}
 	if len(initrd) > 0 {
-		ui.Say(fmt.Sprintf("Made the initrd: a cpio archive of initrd_files (%d) and initrd_append (%d), %s in %.2fs",
-			len(c.InitrdFiles), len(c.InitrdAppend), mib(int64(len(initrd))), time.Since(start).Seconds()))
+		what := fmt.Sprintf("initrd_files (%d)", len(c.InitrdFiles))
+		if c.RootDirectory != "" {
+			what = fmt.Sprintf("the provisioned root (%d entries)", len(entries))
+		}
+		ui.Say(fmt.Sprintf("Made the initrd: a cpio archive of %s and initrd_append (%d), %s in %.2fs",
+			what, len(c.InitrdAppend), mib(int64(len(initrd))), time.Since(start).Seconds()))
 	}
 
 	start = time.Now()
@@ -290,8 +324,8 @@ func (b *Builder) build(ctx context.Context, ui packersdk.Ui, art *Artifact) err
 	return nil
 }
 
-// initrd is the generated archive followed by the appended files; nothing if neither is configured.
-func (b *Builder) initrd() ([]byte, error) {
+// fileEntries are initrd_files as archive entries.
+func (b *Builder) fileEntries() ([]ukiimage.Entry, error) {
 	var entries []ukiimage.Entry
 	for i, f := range b.config.InitrdFiles {
 		data, err := os.ReadFile(f.Source)
@@ -300,6 +334,63 @@ func (b *Builder) initrd() ([]byte, error) {
 		}
 		entries = append(entries, ukiimage.Entry{Path: f.Destination, Mode: b.modes[i], Data: data})
 	}
+	return entries, nil
+}
+
+// provisionRoot copies root_directory to dir, writes initrd_files into it, runs the provisioners in a
+// chroot of it and returns it as archive entries; dir is removed afterwards.
+func (b *Builder) provisionRoot(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, dir string) ([]ukiimage.Entry, error) {
+	c := &b.config
+	start := time.Now()
+	// cp -a keeps links, modes and owners, which provisioners in the chroot may depend on.
+	if out, err := exec.CommandContext(ctx, "cp", "-a", "--", filepath.Clean(c.RootDirectory)+"/.", dir).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("copying root_directory %s: %v: %s", c.RootDirectory, err, bytes.TrimSpace(out))
+	}
+	defer os.RemoveAll(dir)
+	for i, f := range c.InitrdFiles {
+		if err := writeInto(dir, f.Source, f.Destination, b.modes[i]); err != nil {
+			return nil, fmt.Errorf("initrd_files[%d]: %w", i, err)
+		}
+	}
+	ui.Say(fmt.Sprintf("Copied root_directory %s and %d initrd_files in %.2fs; provisioning in a chroot of the copy",
+		c.RootDirectory, len(c.InitrdFiles), time.Since(start).Seconds()))
+	if err := hook.Run(ctx, packersdk.HookProvision, ui, &chrootCommunicator{root: dir}, nil); err != nil {
+		return nil, err
+	}
+	return ukiimage.TreeEntries(dir)
+}
+
+// writeInto copies the file src to dest in the tree at dir, making the directories on the way (0755) and
+// replacing what is there unless it is a directory. No link in the tree leads the write outside it.
+func writeInto(dir, src, dest string, mode fs.FileMode) error {
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	name := strings.TrimPrefix(dest, "/")
+	if err := root.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+		return err
+	}
+	if fi, err := root.Lstat(name); err == nil && fi.IsDir() {
+		return fmt.Errorf("destination %s is a directory in root_directory", dest)
+	}
+	if err := root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if err := root.WriteFile(name, data, mode); err != nil {
+		return err
+	}
+	// WriteFile's mode passes through the umask; the image gets exactly the mode asked for.
+	return root.Chmod(name, mode)
+}
+
+// initrd is the archive of entries followed by the appended files; nothing if neither is configured.
+func (b *Builder) initrd(entries []ukiimage.Entry) ([]byte, error) {
 	var initrd []byte
 	if len(entries) > 0 {
 		var err error

@@ -22,6 +22,7 @@ type FlatConfig struct {
 	Kernel              *string           `mapstructure:"kernel" required:"true" cty:"kernel" hcl:"kernel"`
 	Cmdline             *string           `mapstructure:"cmdline" required:"true" cty:"cmdline" hcl:"cmdline"`
 	OSRelease           *string           `mapstructure:"os_release" cty:"os_release" hcl:"os_release"`
+	RootDirectory       *string           `mapstructure:"root_directory" cty:"root_directory" hcl:"root_directory"`
 	InitrdFiles         []FlatInitrdFile  `mapstructure:"initrd_files" cty:"initrd_files" hcl:"initrd_files"`
 	InitrdAppend        []string          `mapstructure:"initrd_append" cty:"initrd_append" hcl:"initrd_append"`
 	OutputDirectory     *string           `mapstructure:"output_directory" cty:"output_directory" hcl:"output_directory"`
@@ -53,6 +54,7 @@ func (*FlatConfig) HCL2Spec() map[string]hcldec.Spec {
 		"kernel":                     &hcldec.AttrSpec{Name: "kernel", Type: cty.String, Required: false},
 		"cmdline":                    &hcldec.AttrSpec{Name: "cmdline", Type: cty.String, Required: false},
 		"os_release":                 &hcldec.AttrSpec{Name: "os_release", Type: cty.String, Required: false},
+		"root_directory":             &hcldec.AttrSpec{Name: "root_directory", Type: cty.String, Required: false},
 		"initrd_files":               &hcldec.BlockListSpec{TypeName: "initrd_files", Nested: hcldec.ObjectSpec((*FlatInitrdFile)(nil).HCL2Spec())},
 		"initrd_append":              &hcldec.AttrSpec{Name: "initrd_append", Type: cty.List(cty.String), Required: false},
 		"output_directory":           &hcldec.AttrSpec{Name: "output_directory", Type: cty.String, Required: false},

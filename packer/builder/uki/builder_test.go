@@ -57,6 +57,8 @@ func TestPrepare(t *testing.T) {
 			`mode "04755"`},
 		{"missing appended initrd", valid(map[string]any{"initrd_append": []string{file, filepath.Join(dir, "nope")}}),
 			"initrd_append[1]: stat"},
+		{"missing root directory", valid(map[string]any{"root_directory": filepath.Join(dir, "nope")}), "root_directory: stat"},
+		{"root directory is a file", valid(map[string]any{"root_directory": file}), "is not a directory"},
 		{"bad disk size", valid(map[string]any{"disk_size": "64X"}), `disk_size: "64X"`},
 		{"negative disk size", valid(map[string]any{"disk_size": "-1M"}), `disk_size: "-1M"`},
 		{"existing output directory", valid(map[string]any{"output_directory": existing}), "exists: remove it, or run packer build -force"},

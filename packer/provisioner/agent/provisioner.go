@@ -322,6 +322,9 @@ func (p *Provisioner) executeCommand() (string, error) {
 }
 
 func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packersdk.Communicator, _ map[string]any) error {
+	if comm == nil {
+		return errors.New("the builder gives provisioners no communicator: use one that reaches the image (ssh, winrm, or berth-uki with root_directory), not communicator \"none\"")
+	}
 	sums := make([]string, len(p.items))
 	for i, it := range p.items {
 		if err := ctx.Err(); err != nil {

@@ -345,6 +345,14 @@ func TestProvisionRefusesMismatchBeforeUpload(t *testing.T) {
 	}
 }
 
+func TestProvisionWithoutCommunicator(t *testing.T) {
+	p, _ := prepared(t, nil)
+	err := p.Provision(context.Background(), &packersdk.MockUi{}, nil, nil)
+	if err == nil || !strings.Contains(err.Error(), "no communicator") {
+		t.Fatalf("Provision without a communicator = %v, want the reason", err)
+	}
+}
+
 func TestProvisionScriptFailure(t *testing.T) {
 	p, _ := prepared(t, nil)
 	comm := &recorder{fail: "install.sh"}

@@ -1,0 +1,175 @@
+package uki
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
+)
+
+// chrootEnv is the environment of provisioners' commands: the host's would leak its PATH and HOME into
+// the image's root.
+var chrootEnv = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"}
+
+// chrootCommunicator is what provisioners reach in a berth-uki build: the root file system being built.
+// Commands run in a chroot of it with its own /bin/sh; files move in and out through an os.Root, so that no
+// path or symbolic link in the tree reaches outside it.
+type chrootCommunicator struct {
+	root string
+}
+
+func (c *chrootCommunicator) Start(ctx context.Context, rc *packersdk.RemoteCmd) error {
+	cmd := exec.CommandContext(ctx, "/bin/sh", "-c", rc.Command)
+	// The chroot happens before exec, so /bin/sh is the tree's.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: c.root}
+	cmd.Dir = "/"
+	cmd.Env = chrootEnv
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = rc.Stdin, rc.Stdout, rc.Stderr
+	if err := cmd.Start(); err != nil {
+		if errors.Is(err, syscall.EPERM) {
+			return fmt.Errorf("running a command in a chroot of %s: %w (chroot needs root: run packer build as root)", c.root, err)
+		}
+		if errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("running a command in a chroot of %s: %w (root_directory has no /bin/sh)", c.root, err)
+		}
+		return fmt.Errorf("running a command in a chroot of %s: %w", c.root, err)
+	}
+	go func() {
+		status := 0
+		if err := cmd.Wait(); err != nil {
+			var ee *exec.ExitError
+			if errors.As(err, &ee) {
+				status = ee.ExitCode()
+			} else {
+				status = packersdk.CmdDisconnect
+			}
+		}
+		rc.SetExited(status)
+	}()
+	return nil
+}
+
+// rel is dst as a path below the tree's root: provisioners name files as the image sees them.
+func rel(p string) (string, error) {
+	if !path.IsAbs(p) {
+		return "", fmt.Errorf("%q: want an absolute path in the image", p)
+	}
+	r := strings.TrimPrefix(path.Clean(p), "/")
+	if r == "" {
+		r = "."
+	}
+	return r, nil
+}
+
+func (c *chrootCommunicator) Upload(dst string, r io.Reader, fi *os.FileInfo) error {
+	name, err := rel(dst)
+	if err != nil {
+		return fmt.Errorf("upload: %w", err)
+	}
+	mode := fs.FileMode(0o644)
+	if fi != nil && *fi != nil {
+		mode = (*fi).Mode().Perm()
+	}
+	root, err := os.OpenRoot(c.root)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
+		return fmt.Errorf("upload to %s: %w", dst, err)
+	}
+	if _, err := io.Copy(f, r); err != nil {
+		f.Close()
+		return fmt.Errorf("upload to %s: %w", dst, err)
+	}
+	return f.Close()
+}
+
+// UploadDir copies the local directory src to dst as scp -r would: src itself, or only its contents when it
+// ends with a slash. Paths matching an exclude pattern (relative to src) are skipped.
+func (c *chrootCommunicator) UploadDir(dst, src string, exclude []string) error {
+	base, err := rel(dst)
+	if err != nil {
+		return fmt.Errorf("upload: %w", err)
+	}
+	if !strings.HasSuffix(src, "/") {
+		base = path.Join(base, filepath.Base(src))
+	}
+	root, err := os.OpenRoot(c.root)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		r, err := filepath.Rel(src, p)
+		if err != nil {
+			return err
+		}
+		for _, pattern := range exclude {
+			if ok, _ := filepath.Match(pattern, r); ok {
+				if d.IsDir() {
+					return filepath.SkipDir
+				}
+				return nil
+			}
+		}
+		target := path.Join(base, filepath.ToSlash(r))
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		switch {
+		case d.IsDir():
+			return root.MkdirAll(target, info.Mode().Perm())
+		case d.Type() == fs.ModeSymlink:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return root.Symlink(link, target)
+		case d.Type().IsRegular():
+			data, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			return root.WriteFile(target, data, info.Mode().Perm())
+		}
+		return fmt.Errorf("upload of %s: not a directory, regular file or symbolic link", p)
+	})
+}
+
+func (c *chrootCommunicator) Download(src string, w io.Writer) error {
+	name, err := rel(src)
+	if err != nil {
+		return fmt.Errorf("download: %w", err)
+	}
+	root, err := os.OpenRoot(c.root)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	f, err := root.Open(name)
+	if err != nil {
+		return fmt.Errorf("download of %s: %w", src, err)
+	}
+	defer f.Close()
+	_, err = io.Copy(w, f)
+	return err
+}
+
+func (c *chrootCommunicator) DownloadDir(src, dst string, _ []string) error {
+	return fmt.Errorf("download of the directory %s: berth-uki's chroot communicator downloads files only", src)
+}
