@@ -11,7 +11,6 @@ import (
 	"path"
 	"path/filepath"
 	"strings"
-	"syscall"
 
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 )
@@ -21,26 +20,28 @@ import (
 var chrootEnv = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"}
 
 // chrootCommunicator is what provisioners reach in a berth-uki build: the root file system being built.
-// Commands run in a chroot of it with its own /bin/sh; files move in and out through an os.Root, so that no
-// path or symbolic link in the tree reaches outside it.
+// Commands run in a chroot of it with its own /bin/sh (util-linux's unshare and mount, coreutils' chroot);
+// files move in and out through an os.Root, so that no path or symbolic link in the tree reaches outside it.
 type chrootCommunicator struct {
 	root string
 }
 
+// chrootScript runs "$2" in a chroot of "$1" with the host's /dev and a /proc, as install scripts expect
+// them. It runs in a mount namespace of its own, so the mounts end with it and never reach the image.
+const chrootScript = `mkdir -p "$1/dev" "$1/proc" && mount --rbind /dev "$1/dev" && mount -t proc proc "$1/proc" && exec chroot "$1" /bin/sh -c "$2"`
+
 func (c *chrootCommunicator) Start(ctx context.Context, rc *packersdk.RemoteCmd) error {
-	cmd := exec.CommandContext(ctx, "/bin/sh", "-c", rc.Command)
-	// The chroot happens before exec, so /bin/sh is the tree's.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: c.root}
-	cmd.Dir = "/"
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("provisioning root_directory runs commands in a chroot, which needs root: run packer build as root")
+	}
+	if _, err := os.Stat(filepath.Join(c.root, "bin/sh")); err != nil {
+		return fmt.Errorf("running a command in a chroot of %s: root_directory has no /bin/sh: %w", c.root, err)
+	}
+	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--",
+		"/bin/sh", "-c", chrootScript, "berth-chroot", c.root, rc.Command)
 	cmd.Env = chrootEnv
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = rc.Stdin, rc.Stdout, rc.Stderr
 	if err := cmd.Start(); err != nil {
-		if errors.Is(err, syscall.EPERM) {
-			return fmt.Errorf("running a command in a chroot of %s: %w (chroot needs root: run packer build as root)", c.root, err)
-		}
-		if errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("running a command in a chroot of %s: %w (root_directory has no /bin/sh)", c.root, err)
-		}
 		return fmt.Errorf("running a command in a chroot of %s: %w", c.root, err)
 	}
 	go func() {

@@ -75,6 +75,15 @@ func TestChrootCommunicator(t *testing.T) {
 	if data, err := os.ReadFile(filepath.Join(root, "etc/berth/path")); err != nil || !strings.HasPrefix(string(data), "/usr/local/sbin:") {
 		t.Errorf("the command's file is not in the tree: %q, %v", data, err)
 	}
+	// Install scripts write to /dev/null and read /proc; neither leaves anything in the tree.
+	if out, status := runIn(t, comm, "echo discarded > /dev/null && cat /proc/self/comm"); status != 0 || out != "cat\n" {
+		t.Errorf("/dev/null and /proc in the chroot: status %d, output %q", status, out)
+	}
+	for _, d := range []string{"dev", "proc"} {
+		if entries, err := os.ReadDir(filepath.Join(root, d)); err != nil || len(entries) != 0 {
+			t.Errorf("%s in the tree after the command: %d entries, %v; want an empty directory", d, len(entries), err)
+		}
+	}
 	if _, status := runIn(t, comm, "exit 7"); status != 7 {
 		t.Errorf("exit 7 gave status %d", status)
 	}
