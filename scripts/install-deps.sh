@@ -5,8 +5,8 @@
 # measured-boot tests and the berth-uki builder binutils' objcopy (joins unified kernel images), osslsigncode
 # (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
 # cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); mmdebstrap (the root file system of
-# the local node image, from Debian's archive) and busybox-static (a shell for chroot tests); and Terraform
-# (below).
+# the local node image, from Debian's archive), kmod (its kernel modules' index) and busybox-static (a shell
+# for chroot tests); and Terraform (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
@@ -46,6 +46,7 @@ declare -A pkgs=(
 	[mkfs.vfat]=dosfstools
 	[mcopy]=mtools
 	[cpio]=cpio
+	[depmod]=kmod
 	[mmdebstrap]=mmdebstrap
 	[busybox]=busybox-static
 )

@@ -18,6 +18,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"syscall"
 
 	gattest "github.com/google/go-attestation/attest"
 )
@@ -42,7 +43,7 @@ func OpenTPM(device string) (*gattest.TPM, error) {
 	case strings.HasPrefix(device, "tcp:"):
 		rwc, err = net.Dial("tcp", strings.TrimPrefix(device, "tcp:"))
 	default:
-		rwc, err = os.OpenFile(device, os.O_RDWR, 0)
+		rwc, err = openDevice(device)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
@@ -53,6 +54,20 @@ func OpenTPM(device string) (*gattest.TPM, error) {
 		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
 	}
 	return tpm, nil
+}
+
+// openDevice opens a TPM character device in blocking mode. os.OpenFile would make it non-blocking for
+// Go's poller, and the kernel's TPM driver then runs each command asynchronously: a read that comes before
+// the response returns nothing, the command fails, and the file stays busy (EBUSY) for every command
+// after it. Seen on a TCG guest, where the driver's work queue is slow to run. Blocking, each command runs
+// within write and its response is there for the read.
+func openDevice(path string) (*os.File, error) {
+	fd, err := syscall.Open(path, syscall.O_RDWR|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	// NewFile keeps a blocking descriptor out of the poller.
+	return os.NewFile(uintptr(fd), path), nil
 }
 
 // channel hands go-attestation a command stream plus the firmware event log, where the kernel offers one.

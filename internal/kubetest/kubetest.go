@@ -29,6 +29,8 @@ type APIServer struct {
 	URL        string
 	Kubeconfig []byte // admin (system:masters)
 	Client     kubernetes.Interface
+	// CA is the cluster's CA, key included, for tests that issue certificates as a control plane does.
+	CA *pki.CA
 }
 
 // Start runs etcd and kube-apiserver until the test ends.
@@ -87,7 +89,7 @@ func Start(t testing.TB) *APIServer {
 		"--service-cluster-ip-range", "10.96.0.0/16", "--authorization-mode", "RBAC",
 		"--cert-dir", filepath.Join(dir, "apiserver-certs"))
 
-	s := &APIServer{URL: fmt.Sprintf("https://127.0.0.1:%d", apiPort)}
+	s := &APIServer{URL: fmt.Sprintf("https://127.0.0.1:%d", apiPort), CA: ca}
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: s.URL, CertificateAuthorityData: ca.CertPEM()}
 	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: pki.EncodeCertPEM(admin), ClientKeyData: adminKey}

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -37,13 +38,32 @@ type Machine struct {
 	Dir string
 	// Console, if set, receives the serial console as the machine writes it.
 	Console io.Writer
+	// TPMState, if set, is the swtpm state directory the machine boots with, such as one manufactured with
+	// an EK certificate (internal/swtpm); otherwise its TPM starts empty, in Dir.
+	TPMState string
+	// Disks are raw disk images attached read-write after the boot disk: /dev/vdb, /dev/vdc, … in the guest.
+	Disks []string
+	// Forwards, if any, give the machine a network: QEMU's user network (the guest is 10.0.2.15, its
+	// gateway 10.0.2.2), restricted so that the guest reaches nothing but these forwards.
+	Forwards []Forward
+}
+
+// Forward makes a TCP address in the guest's network lead to one on the host: each connection the guest
+// opens to Guest runs socat to Host.
+type Forward struct {
+	Guest netip.AddrPort // in 10.0.2.0/24
+	Host  string         // host:port
 }
 
 // Boot boots m until the guest powers off or ctx ends, and returns its serial console output.
 func (m Machine) Boot(ctx context.Context) (string, error) {
-	for _, tool := range []string{"qemu-system-x86_64", "swtpm"} {
+	tools := []string{"qemu-system-x86_64", "swtpm"}
+	if len(m.Forwards) > 0 {
+		tools = append(tools, "socat")
+	}
+	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
-			return "", fmt.Errorf("%s not found: run make deps (installs qemu-system-x86, ovmf and swtpm)", tool)
+			return "", fmt.Errorf("%s not found: run make deps (installs qemu-system-x86, ovmf, swtpm and socat)", tool)
 		}
 	}
 	for _, f := range []string{FirmwareCode, FirmwareVars} {
@@ -68,14 +88,18 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 	if err := copyFile(FirmwareVars, vars); err != nil {
 		return "", err
 	}
-	tpmDir := filepath.Join(m.Dir, "tpm")
-	if err := os.MkdirAll(tpmDir, 0o700); err != nil {
-		return "", err
+	tpmDir := m.TPMState
+	if tpmDir == "" {
+		tpmDir = filepath.Join(m.Dir, "tpm")
+		if err := os.MkdirAll(tpmDir, 0o700); err != nil {
+			return "", err
+		}
 	}
-	ctrl := filepath.Join(tpmDir, "ctrl.sock")
+	// A unix socket's path is limited to 108 bytes; Dir is usually short, a test's TPM state not always.
+	ctrl := filepath.Join(m.Dir, "tpm-ctrl.sock")
 	// The firmware starts the TPM (TPM2_Startup) and measures into it; swtpm ends with the connection.
 	tpm := exec.CommandContext(ctx, "swtpm", "socket", "--tpm2", "--tpmstate", "dir="+tpmDir,
-		"--ctrl", "type=unixio,path="+ctrl, "--terminate", "--log", "file="+filepath.Join(tpmDir, "swtpm.log"))
+		"--ctrl", "type=unixio,path="+ctrl, "--terminate", "--log", "file="+filepath.Join(m.Dir, "swtpm.log"))
 	if err := tpm.Start(); err != nil {
 		return "", fmt.Errorf("swtpm: %w", err)
 	}
@@ -90,7 +114,7 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 	if m.Console != nil {
 		out = io.MultiWriter(&console, m.Console)
 	}
-	qemu := exec.CommandContext(ctx, "qemu-system-x86_64",
+	args := []string{
 		"-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
 		// Only the devices below: OVMF then tries no other boot option first, so PCR 4 holds exactly
 		// the UKI's boot.
@@ -102,7 +126,22 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		"-device", "tpm-tis,tpmdev=tpm0",
 		"-drive", "if=none,id=esp,readonly=on,"+drive,
 		"-device", "virtio-blk-pci,drive=esp,bootindex=0",
-	)
+	}
+	for i, d := range m.Disks {
+		args = append(args, "-drive", fmt.Sprintf("if=none,id=disk%d,format=raw,file=%s", i, d),
+			"-device", fmt.Sprintf("virtio-blk-pci,drive=disk%d", i))
+	}
+	if len(m.Forwards) > 0 {
+		netdev := "user,id=net0,net=10.0.2.0/24,restrict=on"
+		for _, f := range m.Forwards {
+			if strings.ContainsAny(f.Host, ", ") {
+				return "", fmt.Errorf("forward to %q: want host:port", f.Host)
+			}
+			netdev += fmt.Sprintf(",guestfwd=tcp:%s-cmd:socat - TCP:%s", f.Guest, f.Host)
+		}
+		args = append(args, "-netdev", netdev, "-device", "virtio-net-pci,netdev=net0")
+	}
+	qemu := exec.CommandContext(ctx, "qemu-system-x86_64", args...)
 	qemu.Stdout, qemu.Stderr = out, out
 	err := qemu.Run()
 	if ctx.Err() != nil {

@@ -10,11 +10,13 @@ package joinservice
 import (
 	"context"
 	"crypto/x509"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"time"
 
@@ -277,6 +279,9 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 		return nil, s.attestErr(log, err)
 	}
 	log = log.With("ek", result.EKFingerprint[:16])
+	if log.Enabled(ctx, slog.LevelDebug) {
+		log.Debug("quote verified", "pcrs", hexPCRs(result.PCRs))
+	}
 	image, err := s.cfg.Policy.Load().Check(inst.Role, result.PCRs, s.cfg.Clock())
 	if err != nil {
 		return nil, s.refuse(log, codes.PermissionDenied, "measurements refused", err)
@@ -384,4 +389,13 @@ func ipsOf(addrs []netip.Addr) []net.IP {
 		ips[i] = a.AsSlice()
 	}
 	return ips
+}
+
+// hexPCRs shows PCR values as an operator compares them with berth-image.json.
+func hexPCRs(pcrs map[int][]byte) map[string]string {
+	out := make(map[string]string, len(pcrs))
+	for i, v := range pcrs {
+		out[strconv.Itoa(i)] = hex.EncodeToString(v)
+	}
+	return out
 }

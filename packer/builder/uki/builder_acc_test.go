@@ -14,7 +14,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure/ukitest"
-	"github.com/berthlabs/berth/packer/internal/packertest"
+	"github.com/berthlabs/berth/internal/packertest"
 	"github.com/berthlabs/berth/test/measuredboot"
 )
 

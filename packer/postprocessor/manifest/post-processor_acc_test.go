@@ -15,7 +15,7 @@ import (
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure"
 	"github.com/berthlabs/berth/internal/measure/ukitest"
-	"github.com/berthlabs/berth/packer/internal/packertest"
+	"github.com/berthlabs/berth/internal/packertest"
 )
 
 const accTemplate = `

@@ -31,7 +31,7 @@ func Setup(t *testing.T) string {
 		t.Fatalf("building the plugin: %v\n%s", err, out)
 	}
 	dir := t.TempDir()
-	script := filepath.Join(filepath.Dir(file), "..", "..", "..", "scripts", "install-packer-plugin.sh")
+	script := filepath.Join(filepath.Dir(file), "..", "..", "scripts", "install-packer-plugin.sh")
 	out, err := exec.Command(script, bin, dir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("installing the plugin: %v\n%s", err, out)

@@ -1,0 +1,456 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/internal/manifest"
+	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/packertest"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/test/measuredboot"
+)
+
+// The guest's view of the host (examples/packer/node): the instance metadata, and the control-plane node
+// whose join service it dials. Each is a QEMU guest forward to a loopback port of this test.
+var (
+	metadataGuest = netip.MustParseAddrPort("10.0.2.100:80")
+	joinGuestAddr = netip.MustParseAddr("10.0.2.101")
+	// QEMU's user network reaches the host from 127.0.0.1: that is the node's address as the host sees it.
+	nodeAddr = netip.MustParseAddr("127.0.0.1")
+)
+
+const (
+	imageName = "berth-node-local"
+	cmdline   = "console=ttyS0 panic=-1 quiet"
+	// changedCmdline differs from cmdline in one byte.
+	changedCmdline = "console=ttyS0 panic=-2 quiet"
+)
+
+// TestMeasuredBootJoin builds the node image of examples/packer/node.pkr.hcl with the real packer, and the
+// same image with one byte of its kernel command line changed. A join service on the host, backed by a real
+// kube-apiserver and knowing nothing of the image but berth-image.json, then sees the first image's agent
+// attest from a QEMU boot (OVMF, swtpm) and issues it a ticket, its quoted PCR 4, 9, 11 and 12 being the
+// predicted ones; the changed image is refused, naming PCR 4 with the expected and the quoted value.
+func TestMeasuredBootJoin(t *testing.T) {
+	if os.Getenv("BERTH_E2E") == "" {
+		t.Skip("end-to-end test with the real packer, QEMU and kube-apiserver: make e2e-measured-boot runs it (BERTH_E2E=1)")
+	}
+	if os.Geteuid() != 0 {
+		t.Fatal("the image build needs root: mmdebstrap and the provisioners' chroot (run make e2e-measured-boot as root)")
+	}
+	clock := &stages{t: t}
+	t.Cleanup(clock.print)
+	dir := t.TempDir()
+	repo := repoRoot(t)
+
+	clock.start("tools: packer plugin, boot parts, guest root, static berth-agent")
+	packertest.Setup(t)
+	parts := ukitest.BootParts(t)
+	root := guestRoot(t, repo)
+	agent := filepath.Join(dir, "berth-agent")
+	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", agent, "./nodeagent/cmd/berth-agent")
+	build.Dir, build.Env = repo, append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building a static berth-agent: %v\n%s", err, out)
+	}
+	if out, err := packer(t, repo, "init", "node.pkr.hcl"); err != nil {
+		t.Fatalf("packer init: %v\n%s", err, out)
+	}
+
+	images := map[string]*manifest.Image{}
+	for _, c := range []struct{ name, cmdline string }{{"image", cmdline}, {"one-byte-changed", changedCmdline}} {
+		clock.start("packer build: " + c.name)
+		out := filepath.Join(dir, c.name)
+		manifestPath := filepath.Join(dir, c.name+".json")
+		log, err := packer(t, repo, "build",
+			"-var", "stub="+parts.Stub, "-var", "kernel="+parts.Kernel, "-var", "root_directory="+root,
+			"-var", "agent_binary="+agent, "-var", "cmdline="+c.cmdline,
+			"-var", "output_directory="+out, "-var", "manifest="+manifestPath, "node.pkr.hcl")
+		if err != nil {
+			t.Fatalf("packer build of %s: %v\n%s", c.name, err, log)
+		}
+		data, err := os.ReadFile(manifestPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := manifest.Parse(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		img, ok := m.Image(imageName)
+		if !ok {
+			t.Fatalf("%s names no image %s", manifestPath, imageName)
+		}
+		images[c.name] = &img
+	}
+	for _, i := range []string{"4", "9", "11"} {
+		if images["image"].PCRs[i] == images["one-byte-changed"].PCRs[i] {
+			t.Errorf("one byte of the command line left the prediction of PCR %s as it was", i)
+		}
+	}
+
+	clock.start("host: kube-apiserver, metadata, join service knowing only berth-image.json")
+	cluster := startHost(t, dir, images["image"])
+
+	clock.start("boot: image → attested and accepted")
+	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), func(h *host) bool {
+		return h.joinLog.has("join ticket issued", "image", imageName)
+	}, 8*time.Minute)
+	for _, i := range []int{4, 9, 11, 12} {
+		want := images["image"].PCRs[strconv.Itoa(i)]
+		if got := accepted.quoted[strconv.Itoa(i)]; got != want {
+			t.Errorf("PCR %d: the TPM quoted %s in that boot, berth-manifest predicted %s", i, got, want)
+		}
+	}
+	if !strings.Contains(accepted.console, `"msg":"join ticket received"`) {
+		t.Errorf("the agent in the guest did not log the ticket it received:\n%s", tail(accepted.console, 40))
+	}
+
+	clock.start("boot: one-byte-changed image → refused")
+	cluster.boot(t, filepath.Join(dir, "one-byte-changed", "berth.raw"), filepath.Join(dir, "boot-changed"), func(h *host) bool {
+		return h.joinLog.count("measurements refused") > 0
+	}, 8*time.Minute)
+	want := fmt.Sprintf("PCR 4: expected %s, got %s", images["image"].PCRs["4"], images["one-byte-changed"].PCRs["4"])
+	reason := cluster.joinLog.field("measurements refused", "reason")
+	if !strings.Contains(reason, want) {
+		t.Errorf("the refusal says %q, want it to name %q", reason, want)
+	}
+	if n := cluster.joinLog.count("join ticket issued"); n != 1 {
+		t.Errorf("%d tickets issued in all, want only the accepted image's", n)
+	}
+	t.Logf("join service: %s", reason)
+}
+
+// host is the cluster side of the test: what the guest reaches through QEMU's forwards.
+type host struct {
+	forwards []measuredboot.Forward
+	ekCA     *swtpm.CA
+	joinLog  *logLines
+}
+
+func startHost(t *testing.T, dir string, img *manifest.Image) *host {
+	api := kubetest.Start(t)
+	ekCA, err := swtpm.NewCA(filepath.Join(dir, "ek-ca"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots, inters, err := ekCA.Pools()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	joinCA, err := pki.NewCA("berth-join-ca", now, 24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	master, err := keys.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	salt, err := keys.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The policy is berth-image.json's prediction and nothing else.
+	pcrs := map[int][]byte{}
+	for i, v := range img.PCRs {
+		idx, err := strconv.Atoi(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pcrs[idx], err = hex.DecodeString(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pol := &policy.Policy{Images: []policy.Image{{Name: img.Name, Roles: []metadata.Role{metadata.RoleWorker}, PCRs: pcrs}}}
+	if err := pol.Validate(); err != nil {
+		t.Fatal(err)
+	}
+
+	joinLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	joinPort := joinLis.Addr().(*net.TCPAddr).Port
+	doc := &metadata.Document{
+		UserData: metadata.UserData{ClusterName: "e2e", JoinPort: uint16(joinPort), JoinCAPin: pki.SPKIPin(joinCA.Cert)},
+		Instances: []metadata.Instance{
+			{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{joinGuestAddr}},
+			{Name: "node-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{nodeAddr}},
+		},
+	}
+	if err := doc.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta := &http.Server{Handler: metadata.NewServer(doc, slog.New(slog.DiscardHandler)), ReadHeaderTimeout: 5 * time.Second}
+	go meta.Serve(metaLis)
+	t.Cleanup(func() { meta.Close() })
+
+	h := &host{ekCA: ekCA, joinLog: &logLines{}}
+	svc, err := joinservice.New(joinservice.Config{
+		Verifier:          attest.NewVerifier(roots, inters, nil),
+		Policy:            policy.NewStore(pol),
+		Instances:         &metadata.Client{BaseURL: "http://" + metaLis.Addr().String()},
+		Tokens:            &joinservice.KubeTokens{Client: api.Client},
+		Disks:             &joinservice.KubeDisks{Client: api.Client},
+		MasterSecret:      master,
+		Salt:              salt,
+		KubernetesCA:      api.CA,
+		APIServerEndpoint: strings.TrimPrefix(api.URL, "https://"),
+		KubernetesVersion: "v1.36.3",
+		Logger:            slog.New(slog.NewJSONHandler(h.joinLog, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := pki.NewKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := joinCA.IssueServer(key.Public(), []string{"cp-0"}, []net.IP{joinGuestAddr.AsSlice()}, now, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The chain goes with the leaf: the node holds only the join CA's pin.
+	cert := tls.Certificate{Certificate: [][]byte{leaf.Raw, joinCA.Cert.Raw}, PrivateKey: key, Leaf: leaf}
+	srv := grpc.NewServer(rpc.ServerOptions(cert)...)
+	berthv1.RegisterJoinServiceServer(srv, svc)
+	go srv.Serve(joinLis)
+	t.Cleanup(srv.Stop)
+
+	h.forwards = []measuredboot.Forward{
+		{Guest: metadataGuest, Host: metaLis.Addr().String()},
+		{Guest: netip.AddrPortFrom(joinGuestAddr, uint16(joinPort)), Host: joinLis.Addr().String()},
+	}
+	return h
+}
+
+// bootResult is what one boot showed.
+type bootResult struct {
+	console string
+	// quoted are the PCR values of the quote the join service verified, as hex by index.
+	quoted map[string]string
+}
+
+// boot boots disk with a freshly manufactured TPM and an empty state disk until done holds, and returns
+// the console and the PCRs the join service verified in that boot.
+func (h *host) boot(t *testing.T, disk, dir string, done func(*host) bool, timeout time.Duration) bootResult {
+	t.Helper()
+	state := filepath.Join(dir, "tpm")
+	if err := os.MkdirAll(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.ekCA.Manufacture(state); err != nil {
+		t.Fatal(err)
+	}
+	stateDisk := filepath.Join(dir, "state.img")
+	if err := os.WriteFile(stateDisk, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(stateDisk, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	seen := h.joinLog.len()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	console := &logLines{}
+	m := measuredboot.Machine{Disk: disk, Dir: dir, TPMState: state, Disks: []string{stateDisk}, Forwards: h.forwards, Console: console}
+	booted := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		_, err := m.Boot(ctx)
+		booted <- err
+	}()
+	tick := time.NewTicker(200 * time.Millisecond)
+	defer tick.Stop()
+	for !done(h) {
+		select {
+		case err := <-booted:
+			t.Fatalf("the machine stopped before the join service decided (%v); console:\n%s", err, tail(console.String(), 60))
+		case <-ctx.Done():
+			t.Fatalf("no decision of the join service in %v; console:\n%s\njoin service:\n%s", timeout, tail(console.String(), 60), tail(h.joinLog.String(), 20))
+		case <-tick.C:
+		}
+	}
+	t.Logf("decided %.1fs after power-on", time.Since(start).Seconds())
+	cancel()
+	<-booted
+	res := bootResult{console: console.String(), quoted: map[string]string{}}
+	for _, line := range h.joinLog.lines()[seen:] {
+		if line["msg"] == "quote verified" {
+			if pcrs, ok := line["pcrs"].(map[string]any); ok {
+				for i, v := range pcrs {
+					res.quoted[i], _ = v.(string)
+				}
+			}
+		}
+	}
+	return res
+}
+
+// packer runs the real packer in examples/packer, as a user of the template would.
+func packer(t *testing.T, repo string, args ...string) ([]byte, error) {
+	t.Helper()
+	cmd := exec.Command("packer", args...)
+	cmd.Dir = filepath.Join(repo, "examples", "packer")
+	return cmd.CombinedOutput()
+}
+
+// guestRoot is scripts/guest-root.sh's root file system.
+func guestRoot(t *testing.T, repo string) string {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command(filepath.Join(repo, "scripts", "guest-root.sh"))
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("scripts/guest-root.sh: %v\n%s", err, stderr.String())
+	}
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	return lines[len(lines)-1]
+}
+
+func repoRoot(t *testing.T) string {
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		t.Fatal("cannot locate this source file")
+	}
+	return filepath.Join(filepath.Dir(file), "..", "..", "..")
+}
+
+// stages times the test's stages and prints them together at the end.
+type stages struct {
+	t     *testing.T
+	names []string
+	times []time.Duration
+	at    time.Time
+}
+
+func (s *stages) start(name string) {
+	s.stop()
+	s.t.Logf("== %s", name)
+	s.names = append(s.names, name)
+	s.at = time.Now()
+}
+
+func (s *stages) stop() {
+	if len(s.times) < len(s.names) {
+		s.times = append(s.times, time.Since(s.at))
+	}
+}
+
+func (s *stages) print() {
+	s.stop()
+	var b strings.Builder
+	var total time.Duration
+	for i, n := range s.names {
+		fmt.Fprintf(&b, "%8.1fs  %s\n", s.times[i].Seconds(), n)
+		total += s.times[i]
+	}
+	fmt.Fprintf(&b, "%8.1fs  total", total.Seconds())
+	s.t.Logf("stage times:\n%s", b.String())
+}
+
+// logLines collects what a process writes, line by line, for tests to wait on.
+type logLines struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logLines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func (l *logLines) len() int { return len(l.lines()) }
+
+// lines are the JSON lines written so far, parsed.
+func (l *logLines) lines() []map[string]any {
+	var out []map[string]any
+	sc := bufio.NewScanner(strings.NewReader(l.String()))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		var m map[string]any
+		if json.Unmarshal(sc.Bytes(), &m) == nil {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// has says whether a line with msg has the field key equal to value.
+func (l *logLines) has(msg, key, value string) bool {
+	for _, m := range l.lines() {
+		if m["msg"] == msg && m[key] == value {
+			return true
+		}
+	}
+	return false
+}
+
+func (l *logLines) count(msg string) int {
+	n := 0
+	for _, m := range l.lines() {
+		if m["msg"] == msg {
+			n++
+		}
+	}
+	return n
+}
+
+// field is key of the last line with msg.
+func (l *logLines) field(msg, key string) string {
+	v := ""
+	for _, m := range l.lines() {
+		if m["msg"] == msg {
+			v, _ = m[key].(string)
+		}
+	}
+	return v
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
