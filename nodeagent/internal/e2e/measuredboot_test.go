@@ -123,9 +123,10 @@ func TestMeasuredBootJoin(t *testing.T) {
 	cluster := startHost(t, dir, images["image"])
 
 	clock.start("boot: image → attested and accepted")
-	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), func(h *host) bool {
-		return h.joinLog.has("join ticket issued", "image", imageName)
-	}, 8*time.Minute)
+	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), `"msg":"join ticket received"`)
+	if accepted.decision != "join ticket issued" || accepted.image != imageName {
+		t.Fatalf("the join service's decision on the image: %s (image %q, reason %q), want a ticket for %s", accepted.decision, accepted.image, accepted.reason, imageName)
+	}
 	for _, i := range []int{4, 9, 11, 12} {
 		want := images["image"].PCRs[strconv.Itoa(i)]
 		if got := accepted.quoted[strconv.Itoa(i)]; got != want {
@@ -137,16 +138,21 @@ func TestMeasuredBootJoin(t *testing.T) {
 	}
 
 	clock.start("boot: one-byte-changed image → refused")
-	cluster.boot(t, filepath.Join(dir, "one-byte-changed", "berth.raw"), filepath.Join(dir, "boot-changed"), func(h *host) bool {
-		return h.joinLog.count("measurements refused") > 0
-	}, 8*time.Minute)
+	refused := cluster.boot(t, filepath.Join(dir, "one-byte-changed", "berth.raw"), filepath.Join(dir, "boot-changed"), "measurements refused")
+	if refused.decision != "measurements refused" {
+		t.Fatalf("the join service's decision on the changed image: %s (image %q), want it refused", refused.decision, refused.image)
+	}
 	want := fmt.Sprintf("PCR 4: expected %s, got %s", images["image"].PCRs["4"], images["one-byte-changed"].PCRs["4"])
-	reason := cluster.joinLog.field("measurements refused", "reason")
+	reason := refused.reason
 	if !strings.Contains(reason, want) {
 		t.Errorf("the refusal says %q, want it to name %q", reason, want)
 	}
 	if n := cluster.joinLog.count("join ticket issued"); n != 1 {
 		t.Errorf("%d tickets issued in all, want only the accepted image's", n)
+	}
+	// PCR values are no secret: the node's own log says why it was refused, for whoever reads its console.
+	if !strings.Contains(refused.console, "PCR 4: expected") {
+		t.Errorf("the refused node's console does not say which PCR differed:\n%s", tail(refused.console, 20))
 	}
 	t.Logf("join service: %s", reason)
 }
@@ -263,14 +269,18 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 // bootResult is what one boot showed.
 type bootResult struct {
 	console string
+	// decision is the join service's first answer to the node: "join ticket issued" or a refusal's message,
+	// with the image it matched and the refusal's reason.
+	decision, image, reason string
 	// quoted are the PCR values of the quote the join service verified, as hex by index.
 	quoted map[string]string
 }
 
-// boot boots disk with a freshly manufactured TPM and an empty state disk until done holds, and returns
-// the console and the PCRs the join service verified in that boot.
-func (h *host) boot(t *testing.T, disk, dir string, done func(*host) bool, timeout time.Duration) bootResult {
+// boot boots disk with a freshly manufactured TPM and an empty state disk until the join service has
+// decided on the node and the guest's console shows consoleWant, and returns what the boot showed.
+func (h *host) boot(t *testing.T, disk, dir, consoleWant string) bootResult {
 	t.Helper()
+	const timeout = 8 * time.Minute
 	state := filepath.Join(dir, "tpm")
 	if err := os.MkdirAll(state, 0o700); err != nil {
 		t.Fatal(err)
@@ -296,30 +306,42 @@ func (h *host) boot(t *testing.T, disk, dir string, done func(*host) bool, timeo
 		_, err := m.Boot(ctx)
 		booted <- err
 	}()
+	res := bootResult{quoted: map[string]string{}}
+	decided := func() bool {
+		for _, line := range h.joinLog.lines()[seen:] {
+			msg, _ := line["msg"].(string)
+			switch {
+			case msg == "quote verified":
+				if pcrs, ok := line["pcrs"].(map[string]any); ok {
+					for i, v := range pcrs {
+						res.quoted[i], _ = v.(string)
+					}
+				}
+			case msg == "join ticket issued" || strings.HasSuffix(msg, "refused"):
+				res.decision = msg
+				res.image, _ = line["image"].(string)
+				res.reason, _ = line["reason"].(string)
+				return true
+			}
+		}
+		return false
+	}
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
-	for !done(h) {
+	for !decided() || !strings.Contains(console.String(), consoleWant) {
 		select {
 		case err := <-booted:
 			t.Fatalf("the machine stopped before the join service decided (%v); console:\n%s", err, tail(console.String(), 60))
 		case <-ctx.Done():
-			t.Fatalf("no decision of the join service in %v; console:\n%s\njoin service:\n%s", timeout, tail(console.String(), 60), tail(h.joinLog.String(), 20))
+			t.Fatalf("no decision of the join service and no %q on the console in %v; console:\n%s\njoin service:\n%s",
+				consoleWant, timeout, tail(console.String(), 60), tail(h.joinLog.String(), 20))
 		case <-tick.C:
 		}
 	}
-	t.Logf("decided %.1fs after power-on", time.Since(start).Seconds())
+	t.Logf("%s %.1fs after power-on; the node's console ends:\n%s", res.decision, time.Since(start).Seconds(), tail(console.String(), 6))
 	cancel()
 	<-booted
-	res := bootResult{console: console.String(), quoted: map[string]string{}}
-	for _, line := range h.joinLog.lines()[seen:] {
-		if line["msg"] == "quote verified" {
-			if pcrs, ok := line["pcrs"].(map[string]any); ok {
-				for i, v := range pcrs {
-					res.quoted[i], _ = v.(string)
-				}
-			}
-		}
-	}
+	res.console = console.String()
 	return res
 }
 
@@ -419,16 +441,6 @@ func (l *logLines) lines() []map[string]any {
 	return out
 }
 
-// has says whether a line with msg has the field key equal to value.
-func (l *logLines) has(msg, key, value string) bool {
-	for _, m := range l.lines() {
-		if m["msg"] == msg && m[key] == value {
-			return true
-		}
-	}
-	return false
-}
-
 func (l *logLines) count(msg string) int {
 	n := 0
 	for _, m := range l.lines() {
@@ -437,17 +449,6 @@ func (l *logLines) count(msg string) int {
 		}
 	}
 	return n
-}
-
-// field is key of the last line with msg.
-func (l *logLines) field(msg, key string) string {
-	v := ""
-	for _, m := range l.lines() {
-		if m["msg"] == msg {
-			v, _ = m[key].(string)
-		}
-	}
-	return v
 }
 
 func tail(s string, n int) string {
