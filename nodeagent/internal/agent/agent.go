@@ -148,7 +148,8 @@ func (a *Agent) Boot(ctx context.Context) error {
 		return err
 	}
 	lock := &nodestate.Lock{}
-	jc := a.joinClient(prover, lock, log)
+	// The join client names the node in its own lines.
+	jc := a.joinClient(prover, lock, a.log)
 	ctx, stopKubelet := context.WithCancel(ctx)
 	defer stopKubelet()
 	kubeletDone := make(chan error, 1)

@@ -76,7 +76,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	clock.start("tools: packer plugin, boot parts, guest root, static berth-agent")
 	packertest.Setup(t)
 	parts := ukitest.BootParts(t)
-	root := guestRoot(t, repo)
+	root := ukitest.GuestRoot(t)
 	agent := filepath.Join(dir, "berth-agent")
 	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", agent, "./nodeagent/cmd/berth-agent")
 	build.Dir, build.Env = repo, append(os.Environ(), "CGO_ENABLED=0")
@@ -351,19 +351,6 @@ func packer(t *testing.T, repo string, args ...string) ([]byte, error) {
 	cmd := exec.Command("packer", args...)
 	cmd.Dir = filepath.Join(repo, "examples", "packer")
 	return cmd.CombinedOutput()
-}
-
-// guestRoot is scripts/guest-root.sh's root file system.
-func guestRoot(t *testing.T, repo string) string {
-	t.Helper()
-	var stdout, stderr bytes.Buffer
-	cmd := exec.Command(filepath.Join(repo, "scripts", "guest-root.sh"))
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("scripts/guest-root.sh: %v\n%s", err, stderr.String())
-	}
-	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
-	return lines[len(lines)-1]
 }
 
 func repoRoot(t *testing.T) string {
