@@ -120,8 +120,40 @@ func (p *PostProcessor) PostProcess(ctx context.Context, ui packersdk.Ui, artifa
 		return nil, false, false, err
 	}
 	ui.Say(fmt.Sprintf("Wrote image %s to %s", img.Name, p.config.Output))
-	// The manifest describes the artifact; the artifact itself is what the build made.
-	return artifact, true, false, nil
+	// The build's artifact stays what it is; this one is its entry in the manifest.
+	return &Artifact{path: p.config.Output, image: img}, true, false, nil
+}
+
+// BuilderID identifies the post-processor's artifacts.
+const BuilderID = "berthlabs.manifest"
+
+// Artifact is an image's entry in berth-image.json.
+type Artifact struct {
+	path  string
+	image manifest.Image
+}
+
+func (a *Artifact) BuilderId() string { return BuilderID }
+
+func (a *Artifact) Files() []string { return []string{a.path} }
+
+// Id is the image's name, as join policies admit it.
+func (a *Artifact) Id() string { return a.image.Name }
+
+func (a *Artifact) String() string {
+	return fmt.Sprintf("image %s in %s, with the predicted PCR %s", a.image.Name, a.path, strings.Join(slices.SortedFunc(maps.Keys(a.image.PCRs), byIndex), ", "))
+}
+
+func (a *Artifact) State(string) any { return nil }
+
+// Destroy leaves the manifest alone: it holds other images' entries too.
+func (a *Artifact) Destroy() error { return nil }
+
+// byIndex orders PCR indexes ("4", "11") as numbers.
+func byIndex(a, b string) int {
+	x, _ := strconv.Atoi(a)
+	y, _ := strconv.Atoi(b)
+	return cmp.Compare(x, y)
 }
 
 // findUKI is the configured UKI, or the artifact's one .efi file.

@@ -125,3 +125,13 @@ func TestDocsListEveryOption(t *testing.T) {
 		t.Errorf("packer/docs/post-processors/manifest.mdx documents %s, which is no option", name)
 	}
 }
+
+func TestArtifact(t *testing.T) {
+	a := &Artifact{path: "out/berth-image.json", image: manifest.Image{Name: "berth-node", PCRs: map[string]string{"12": "00", "4": "aa", "11": "bb", "9": "cc"}}}
+	if a.Id() != "berth-node" || len(a.Files()) != 1 || a.Files()[0] != "out/berth-image.json" || a.BuilderId() != BuilderID {
+		t.Errorf("artifact id %q, files %v, builder %q", a.Id(), a.Files(), a.BuilderId())
+	}
+	if want := "image berth-node in out/berth-image.json, with the predicted PCR 4, 9, 11, 12"; a.String() != want {
+		t.Errorf("String() = %q, want %q", a.String(), want)
+	}
+}
