@@ -119,12 +119,12 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		// Only the devices below: OVMF then tries no other boot option first, so PCR 4 holds exactly
 		// the UKI's boot.
 		"-nodefaults", "-nographic", "-serial", "stdio", "-no-reboot",
-		"-drive", "if=pflash,format=raw,unit=0,readonly=on,file="+FirmwareCode,
-		"-drive", "if=pflash,format=raw,unit=1,file="+vars,
-		"-chardev", "socket,id=chrtpm,path="+ctrl,
+		"-drive", "if=pflash,format=raw,unit=0,readonly=on,file=" + FirmwareCode,
+		"-drive", "if=pflash,format=raw,unit=1,file=" + vars,
+		"-chardev", "socket,id=chrtpm,path=" + ctrl,
 		"-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
 		"-device", "tpm-tis,tpmdev=tpm0",
-		"-drive", "if=none,id=esp,readonly=on,"+drive,
+		"-drive", "if=none,id=esp,readonly=on," + drive,
 		"-device", "virtio-blk-pci,drive=esp,bootindex=0",
 	}
 	for i, d := range m.Disks {
