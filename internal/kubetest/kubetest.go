@@ -31,6 +31,10 @@ type APIServer struct {
 	Client     kubernetes.Interface
 	// CA is the cluster's CA, key included, for tests that issue certificates as a control plane does.
 	CA *pki.CA
+
+	t         testing.TB
+	apiserver *process
+	ready     func()
 }
 
 // Start runs etcd and kube-apiserver until the test ends.
@@ -78,7 +82,7 @@ func Start(t testing.TB) *APIServer {
 		"--listen-peer-urls", fmt.Sprintf("http://127.0.0.1:%d", etcdPeer),
 		"--initial-advertise-peer-urls", fmt.Sprintf("http://127.0.0.1:%d", etcdPeer),
 		"--initial-cluster", fmt.Sprintf("kubetest=http://127.0.0.1:%d", etcdPeer))
-	start(t, dir, "kube-apiserver", filepath.Join(bin, "kube-apiserver"),
+	apiserver := start(t, dir, "kube-apiserver", filepath.Join(bin, "kube-apiserver"),
 		"--etcd-servers", fmt.Sprintf("http://127.0.0.1:%d", etcdClient),
 		"--bind-address", "127.0.0.1", "--secure-port", fmt.Sprint(apiPort),
 		"--tls-cert-file", write("serving.crt", pki.EncodeCertPEM(serving)), "--tls-private-key-file", write("serving.key", servingKey),
@@ -89,7 +93,7 @@ func Start(t testing.TB) *APIServer {
 		"--service-cluster-ip-range", "10.96.0.0/16", "--authorization-mode", "RBAC",
 		"--cert-dir", filepath.Join(dir, "apiserver-certs"))
 
-	s := &APIServer{URL: fmt.Sprintf("https://127.0.0.1:%d", apiPort), CA: ca}
+	s := &APIServer{URL: fmt.Sprintf("https://127.0.0.1:%d", apiPort), CA: ca, t: t, apiserver: apiserver}
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: s.URL, CertificateAuthorityData: ca.CertPEM()}
 	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: pki.EncodeCertPEM(admin), ClientKeyData: adminKey}
@@ -105,8 +109,18 @@ func Start(t testing.TB) *APIServer {
 	if s.Client, err = kubernetes.NewForConfig(rc); err != nil {
 		t.Fatal(err)
 	}
-	waitReady(t, s.URL, ca.Cert, pki.EncodeCertPEM(admin), adminKey, dir)
+	s.ready = func() { waitReady(t, s.URL, ca.Cert, pki.EncodeCertPEM(admin), adminKey, dir) }
+	s.ready()
 	return s
+}
+
+// RestartAPIServer kills kube-apiserver (SIGKILL, as a crash would), starts it again on the same etcd and
+// port, and waits until it is ready. It returns when the server was down and is ready again.
+func (s *APIServer) RestartAPIServer() {
+	s.t.Helper()
+	s.apiserver.kill()
+	s.apiserver.run(s.t)
+	s.ready()
 }
 
 func issue(t testing.TB, ca *pki.CA, sign func(key any) (*x509.Certificate, error)) (*x509.Certificate, []byte) {
@@ -126,24 +140,47 @@ func issue(t testing.TB, ca *pki.CA, sign func(key any) (*x509.Certificate, erro
 	return cert, keyPEM
 }
 
-// start runs a server process with its output in dir/<name>.log; it is stopped when the test ends, in
-// reverse order of starting, so the API server stops before etcd (the other way round it waits 30 s).
-func start(t testing.TB, dir, name, bin string, args ...string) {
+// process is a server the test runs, with its output appended to dir/<name>.log.
+type process struct {
+	name, bin, log string
+	args           []string
+	cmd            *exec.Cmd
+	logFile        *os.File
+}
+
+// start runs a server process; it is stopped when the test ends, in reverse order of starting, so the API
+// server stops before etcd (the other way round it waits 30 s).
+func start(t testing.TB, dir, name, bin string, args ...string) *process {
 	t.Helper()
-	log, err := os.Create(filepath.Join(dir, name+".log"))
+	p := &process{name: name, bin: bin, args: args, log: filepath.Join(dir, name+".log")}
+	p.run(t)
+	t.Cleanup(p.kill)
+	return p
+}
+
+func (p *process) run(t testing.TB) {
+	t.Helper()
+	log, err := os.OpenFile(p.log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, args...)
+	cmd := exec.Command(p.bin, p.args...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
 		log.Close()
-	})
+		t.Fatalf("starting %s: %v", p.name, err)
+	}
+	p.cmd, p.logFile = cmd, log
+}
+
+func (p *process) kill() {
+	if p.cmd == nil {
+		return
+	}
+	p.cmd.Process.Kill()
+	p.cmd.Wait()
+	p.logFile.Close()
+	p.cmd = nil
 }
 
 func waitReady(t testing.TB, url string, ca *x509.Certificate, certPEM, keyPEM []byte, dir string) {

@@ -11,10 +11,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime"
 	"syscall"
+	"time"
 
 	"github.com/berthlabs/berth/nodeagent/internal/agent"
 )
@@ -33,6 +37,9 @@ Usage:
   berth-agent status      [--config FILE] [--json]   what this node is and why
   berth-agent measure     --uki FILE [--json]        predict the PCR values booting this UKI produces
   berth-agent version
+
+Flags of boot, joinservice and status: --log-level debug|info|warn|error, --debug-listen ADDR (pprof on a
+loopback address, for profiling).
 `
 
 func main() {
@@ -50,6 +57,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	configPath := fs.String("config", agent.DefaultConfigPath, "agent configuration file")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	asJSON := fs.Bool("json", false, "status: print JSON")
+	debugListen := fs.String("debug-listen", "", "serve Go's pprof profiles on this address, such as 127.0.0.1:6060 (never a public one)")
 	switch cmd {
 	case "version", "--version":
 		fmt.Fprintf(stdout, "berth-agent %s (Kubernetes %s, %s %s/%s)\n", version, kubernetesVersion, runtime.Version(), runtime.GOOS, runtime.GOARCH)
@@ -85,6 +93,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *debugListen != "" {
+		if err := serveDebug(ctx, *debugListen, logger); err != nil {
+			logger.Error("debug listener", "error", err)
+			return 1
+		}
+	}
 	switch cmd {
 	case "status":
 		s := a.Status(ctx)
@@ -108,4 +122,25 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// serveDebug serves net/http/pprof's profiles until ctx ends, for profiling a node's join service under load.
+func serveDebug(ctx context.Context, addr string, logger *slog.Logger) error {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(lis)
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	logger.Info("serving pprof", "address", lis.Addr().String())
+	return nil
 }

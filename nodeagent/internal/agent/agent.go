@@ -18,6 +18,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/clusterinfo"
+	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
@@ -40,6 +41,12 @@ type Kubeadm interface {
 	kubeadm.Runner
 	Reset(ctx context.Context, progress func(line string)) error
 }
+
+// The join service's request rate limit towards the API server.
+const (
+	kubeQPS   = 200
+	kubeBurst = 400
+)
 
 // Deps are the agent's ties to the machine.
 type Deps struct {
@@ -72,6 +79,9 @@ func RealDeps(cfg *Config, logger *slog.Logger) Deps {
 			if err != nil {
 				return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
 			}
+			// client-go's default of 5 requests a second would make a join storm queue behind two writes per
+			// ticket; the API server's priority and fairness protects it instead.
+			rc.QPS, rc.Burst = kubeQPS, kubeBurst
 			return kubernetes.NewForConfig(rc)
 		},
 		Logger: logger,
@@ -107,8 +117,20 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 	return &Agent{
 		cfg: cfg, deps: deps, log: log, vol: vol,
 		meta: &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src},
-		disk: statedisk.New(vol, log),
+		disk: statedisk.New(vol, log, diskOptions()...),
 	}, nil
+}
+
+// diskOptions are the state disk's options; a failpoint build can crash after each of its steps, at the
+// failpoint "disk-<step>".
+func diskOptions() []statedisk.Option {
+	if !failpoint.Enabled {
+		return nil
+	}
+	return []statedisk.Option{statedisk.WithStepHook(func(step string) error {
+		failpoint.Crash("disk-" + step)
+		return nil
+	})}
 }
 
 // unlockingDisk mounts the state volume as soon as its key is set, so that everything the join client and

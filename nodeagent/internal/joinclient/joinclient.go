@@ -24,6 +24,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -56,6 +57,12 @@ type Locker interface {
 // DefaultPCRs are quoted unless configured otherwise: firmware, boot loader, UKI and command line. PCR 10
 // is left out because IMA keeps extending it, so its value read after the quote may already differ.
 var DefaultPCRs = []int{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15}
+
+// Failpoints of a join, for fault tests that crash a failpoint build of the agent there.
+const (
+	FailpointAfterLock        = "join-after-lock"
+	FailpointAfterCredentials = "join-after-credentials"
+)
 
 // ErrLockTaken means the init server made this node a member first.
 var ErrLockTaken = errors.New("node lock taken by the init server")
@@ -159,6 +166,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		log.Info("init server took the node lock first; join stops")
 		return nil, ErrLockTaken
 	}
+	failpoint.Crash(FailpointAfterLock)
 	if err := c.cfg.Disk.SetKey(ctx, disk.InitialKey, ticket.DiskKey); err != nil {
 		return nil, fmt.Errorf("setting state disk key: %w", err)
 	}
@@ -176,6 +184,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 			return nil, fmt.Errorf("writing cluster secrets: %w", err)
 		}
 	}
+	failpoint.Crash(FailpointAfterCredentials)
 	err = c.cfg.Kubeadm.Join(ctx, joinConfig, func(line string) { log.Info("kubeadm", "line", line) })
 	if err != nil {
 		return nil, fmt.Errorf("kubeadm join: %w", err)

@@ -1,0 +1,274 @@
+package storm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
+
+	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/failpoint"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+// faultStorm is how many agents each fault run boots: enough that a storm lasts about a second here, so
+// that a fault injected after its first tickets lands in its middle.
+const faultStorm = 100
+
+// faultAfter is how many tickets a storm issues before its fault.
+const faultAfter = 5
+
+// tokenTTL is the join service's bootstrap token lifetime (joinservice.Config's default).
+const tokenTTL = 10 * time.Minute
+
+// TestFaults is make faults: storms in which the join service is killed with SIGKILL and restarted, and
+// kube-apiserver is killed and restarted, and real agents crashed at every step of their join and booted
+// again. After each: every agent holds a ticket, every disk key is the one the cluster derives for that
+// disk, no bootstrap token lives longer than its TTL, and the join service's live heap after a storm does
+// not keep growing with the storms.
+func TestFaults(t *testing.T) {
+	if os.Getenv("BERTH_FAULTS") == "" {
+		t.Skip("fault runs: make faults runs them (BERTH_FAULTS=1)")
+	}
+	h := NewHost(t, poolSize)
+	svc := h.StartService()
+
+	t.Run("join service killed mid-storm", func(t *testing.T) {
+		agents := h.stormWith(t, faultStorm, func(issued int) bool {
+			if issued < faultAfter {
+				return false
+			}
+			h.current().Kill()
+			time.Sleep(time.Second)
+			svc = h.StartService()
+			return true
+		})
+		h.checkAgents(t, agents)
+	})
+	t.Run("kube-apiserver restarted mid-storm", func(t *testing.T) {
+		agents := h.stormWith(t, faultStorm, func(issued int) bool {
+			if issued < faultAfter {
+				return false
+			}
+			h.API.RestartAPIServer()
+			return true
+		})
+		h.checkAgents(t, agents)
+	})
+	t.Run("join service memory", func(t *testing.T) {
+		var heaps []int64
+		for range 3 {
+			h.checkAgents(t, h.stormWith(t, faultStorm, nil))
+			heap, err := svc.HeapInUse()
+			if err != nil {
+				t.Fatal(err)
+			}
+			heaps = append(heaps, heap)
+		}
+		t.Logf("live heap after each of three storms of %d: %d, %d, %d KiB", faultStorm, heaps[0]>>10, heaps[1]>>10, heaps[2]>>10)
+		// A leak keeps what every ticket leaves: the third storm would add what the second did.
+		if growth := heaps[2] - heaps[1]; growth > 1<<20 && growth > (heaps[1]-heaps[0])/2 {
+			t.Errorf("the live heap grew by %d KiB over the third storm after %d KiB over the second: something grows with every ticket", growth>>10, (heaps[1]-heaps[0])>>10)
+		}
+	})
+	t.Run("agents crashed at each step of the join", func(t *testing.T) {
+		h.agentBin = buildFailpointAgent(t)
+		points := []string{
+			joinclient.FailpointAfterLock,
+			"disk-" + statedisk.StepKeyAdded,
+			"disk-" + statedisk.StepLabelled, // the old key is still there: removing it is next
+			joinclient.FailpointAfterCredentials,
+			"kubeadm", // the agent is killed while kubeadm join runs
+		}
+		workers := h.AddWorkers(len(points))
+		for i, point := range points {
+			t.Run(point, func(t *testing.T) { h.crashAndReboot(t, workers[i].Name, workers[i].Addresses[0].String(), point) })
+		}
+	})
+}
+
+// current is the join service running now.
+func (h *Host) current() *Service {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.service
+}
+
+// stormWith runs a storm of n new workers; fault, if set, is called with the number of tickets issued so
+// far until it returns true.
+func (h *Host) stormWith(t *testing.T, n int, fault func(issued int) bool) []*Agent {
+	t.Helper()
+	workers := h.AddWorkers(n)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	done := make(chan []*Agent, 1)
+	// A short cap keeps the run brisk; the schedule is otherwise the agents' own.
+	go func() { done <- h.Storm(ctx, workers, backoff.Policy{Max: 2 * time.Second}, nil) }()
+	issuedSoFar := func() int { return strings.Count(h.current().Log(), `"msg":"join ticket issued"`) }
+	before := issuedSoFar()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case agents := <-done:
+			if fault != nil {
+				t.Fatal("the storm ended before the fault was injected")
+			}
+			return agents
+		case <-tick.C:
+			if fault == nil {
+				continue
+			}
+			issued := issuedSoFar() - before
+			if fault(issued) {
+				fault = nil
+				if issued >= n {
+					t.Fatalf("the fault came after all %d tickets: the storm is too small to be interrupted", n)
+				}
+				t.Logf("fault injected after %d of %d tickets", issued, n)
+			}
+		}
+	}
+}
+
+// checkAgents checks a storm's outcome: every agent joined, with the key the cluster derives for its disk,
+// and every bootstrap token expires within its TTL of being made.
+func (h *Host) checkAgents(t *testing.T, agents []*Agent) {
+	t.Helper()
+	for _, a := range agents {
+		if a.Err != nil {
+			t.Errorf("%s did not join: %v", a.Name, a.Err)
+			continue
+		}
+		label, err := keys.DiskLabel(a.Disk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := keys.Derive(h.Master, h.Salt, label, 32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(a.Key, want) {
+			t.Errorf("%s holds a disk key that is not its disk's derived key", a.Name)
+		}
+	}
+	secrets, err := h.API.Client.CoreV1().Secrets(joinservice.Namespace).List(context.Background(), metav1.ListOptions{
+		FieldSelector: "type=" + string(bootstrapapi.SecretTypeBootstrapToken)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range secrets.Items {
+		exp, err := time.Parse(time.RFC3339, string(s.Data[bootstrapapi.BootstrapTokenExpirationKey]))
+		if err != nil {
+			t.Errorf("bootstrap token %s: expiration %q: %v", s.Name, s.Data[bootstrapapi.BootstrapTokenExpirationKey], err)
+			continue
+		}
+		// The creation time has second resolution, like the expiration.
+		if life := exp.Sub(s.CreationTimestamp.Time); life > tokenTTL+time.Second {
+			t.Errorf("bootstrap token %s lives %v, longer than its TTL %v", s.Name, life, tokenTTL)
+		}
+	}
+	t.Logf("%d agents joined; %d bootstrap tokens, none living longer than %v", len(agents), len(secrets.Items), tokenTTL)
+}
+
+// crashAndReboot boots a failpoint build of berth-agent as a worker that dies at point, boots it again
+// normally, and checks that the node joined and its state disk opens with its derived key and holds no other.
+func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
+	t.Helper()
+	dir := filepath.Join(h.dir, "crash", name)
+	tpm := h.EKCA.NewTPM(t)
+	img := filepath.Join(dir, "state.img")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	kubeadm := filepath.Join(dir, "kubeadm")
+	crashKubeadm := "#!/bin/sh\nkill -9 $PPID\nsleep 5\n"
+	config, err := h.writeAgentConfig(dir, addr, tpm.Device(), img, kubeadm)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	run := func(env []string, kubeadmScript string) (error, string) {
+		if err := os.WriteFile(kubeadm, []byte(kubeadmScript), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		var out syncBuffer
+		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
+		cmd.Env = append(os.Environ(), env...)
+		cmd.Stdout, cmd.Stderr = &out, &out
+		return cmd.Run(), out.String()
+	}
+	env, script := []string{failpoint.EnvVar + "=" + point}, "#!/bin/sh\nexit 0\n"
+	if point == "kubeadm" {
+		env, script = nil, crashKubeadm
+	}
+	err, out := run(env, script)
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("the agent was to die by SIGKILL at %s; it ended with %v:\n%s", point, err, out)
+	}
+	if err, out := run(nil, "#!/bin/sh\nexit 0\n"); err != nil {
+		t.Fatalf("booting again after the crash at %s: %v\n%s", point, err, out)
+	}
+
+	vol := luks.New(img, nil)
+	uuid, err := vol.UUID(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	label, err := keys.DiskLabel(uuid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := keys.Derive(h.Master, h.Salt, label, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slot, err := vol.KeySlot(context.Background(), key)
+	if err != nil {
+		t.Fatalf("the state disk does not open with its derived key after the crash at %s: %v", point, err)
+	}
+	slots, err := vol.Slots(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(slots) != 1 || slots[0] != slot {
+		t.Errorf("the state disk holds key slots %v, want only slot %d of its derived key", slots, slot)
+	}
+	if state, err := nodestate.Read(filepath.Join(dir, "state")); err != nil || state.NodeName == "" {
+		t.Errorf("no node state after the reboot: %+v, %v", state, err)
+	}
+}
+
+func buildFailpointAgent(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "berth-agent-failpoint")
+	cmd := exec.Command("go", "build", "-tags", "failpoint", "-o", bin, "./nodeagent/cmd/berth-agent")
+	cmd.Dir = repoRoot(t)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building berth-agent with failpoints: %v\n%s", err, out)
+	}
+	return bin
+}

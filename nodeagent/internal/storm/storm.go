@@ -1,0 +1,485 @@
+// Package storm drives join storms for make bench and make faults: many agents booting at once against one
+// join service, the real `berth-agent joinservice` process, backed by a real kube-apiserver and etcd.
+//
+// The load side is built not to be the bottleneck: agents are goroutines of the test process running the
+// real join client (TLS, gRPC, evidence, credential activation, credentials written to disk), each with its
+// own loopback address and instance record, and their TPMs are a pool of swtpm processes, each manufactured
+// with its own EK certificate, shared round-robin (attest.Prover serializes one TPM's commands). A quote and
+// an activation cost a few milliseconds of swtpm time, so a pool of eight serves a thousand agents in
+// seconds. The kubeadm join after the ticket and the state disk are stand-ins: a storm measures ticket
+// issuance. Real agent processes (Host.BootAgent) boot beside the storm to measure an agent's own memory.
+package storm
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+)
+
+// QuotedPCRs are what the storm's agents quote; fresh swtpms hold zeros in all of them.
+var QuotedPCRs = []int{0, 4, 7, 9, 11}
+
+// Host is the cluster side of a storm.
+type Host struct {
+	t       testing.TB
+	dir     string
+	API     *kubetest.APIServer
+	EKCA    *tpmtest.CA
+	Master  []byte
+	Salt    []byte
+	MetaURL string
+	JoinCA  *pki.CA
+
+	agentBin string
+	config   string
+	joinPort uint16
+	meta     *metadata.Server
+	doc      metadata.Document
+	provers  []*attest.Prover
+
+	mu      sync.Mutex
+	service *Service
+}
+
+// NewHost starts kube-apiserver and etcd, the metadata service and a pool of tpms swtpm processes, and
+// prepares the join service's node (secrets, CA, policy) without starting it.
+func NewHost(t testing.TB, tpms int) *Host {
+	t.Helper()
+	h := &Host{t: t, dir: t.TempDir(), EKCA: tpmtest.NewCA(t)}
+	h.API = kubetest.Start(t)
+	var err error
+	if h.Master, err = keys.NewSecret(); err != nil {
+		t.Fatal(err)
+	}
+	if h.Salt, err = keys.NewSecret(); err != nil {
+		t.Fatal(err)
+	}
+	if h.JoinCA, err = pki.NewCA("berth-join-ca", time.Now(), 24*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	h.agentBin = buildAgent(t, h.dir)
+	h.joinPort = uint16(freePort(t))
+	h.doc = metadata.Document{
+		UserData: metadata.UserData{ClusterName: "storm", JoinPort: h.joinPort, JoinCAPin: pki.SPKIPin(h.JoinCA.Cert)},
+		Instances: []metadata.Instance{{Name: "cp-0", Role: metadata.RoleControlPlane,
+			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
+	}
+	h.meta = metadata.NewServer(h.document(), slog.New(slog.DiscardHandler))
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.MetaURL = "http://" + lis.Addr().String()
+	srv := &http.Server{Handler: h.meta, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Close() })
+
+	var wg sync.WaitGroup
+	h.provers = make([]*attest.Prover, tpms)
+	errs := make([]error, tpms)
+	for i := range tpms {
+		tpm := h.EKCA.NewTPM(t)
+		wg.Go(func() {
+			conn, err := attest.OpenTPM(tpm.Device())
+			if err == nil {
+				h.provers[i], err = attest.NewProver(conn)
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, p := range h.provers {
+			p.Close()
+		}
+	})
+	h.writeServiceNode()
+	return h
+}
+
+func (h *Host) document() *metadata.Document {
+	d := h.doc
+	d.Instances = slices.Clone(h.doc.Instances)
+	return &d
+}
+
+// AddWorkers gives n more workers instance records, on loopback addresses from 127.1.0.1 up, and returns
+// their names and addresses in order.
+func (h *Host) AddWorkers(n int) []metadata.Instance {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	first := len(h.doc.Instances) - 1
+	added := make([]metadata.Instance, n)
+	for i := range n {
+		k := first + i + 1
+		addr := netip.AddrFrom4([4]byte{127, byte(1 + k/65536), byte(k / 256 % 256), byte(k % 256)})
+		added[i] = metadata.Instance{Name: fmt.Sprintf("worker-%d", k), Role: metadata.RoleWorker, Addresses: []netip.Addr{addr}}
+	}
+	h.doc.Instances = append(h.doc.Instances, added...)
+	h.meta.Replace(h.document())
+	return added
+}
+
+// writeServiceNode lays out what a control-plane node's agent keeps for its join service: the cluster
+// secrets, the Kubernetes CA, the EK CA bundle, a kubeconfig and a policy file.
+func (h *Host) writeServiceNode() {
+	t := h.t
+	paths := nodestate.Paths{State: filepath.Join(h.dir, "state"), KubernetesDir: filepath.Join(h.dir, "kubernetes"),
+		KubeletDir: filepath.Join(h.dir, "kubelet")}
+	joinKey, err := pki.EncodeKeyPEM(h.JoinCA.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nodestate.WriteSecrets(paths.State, &nodestate.ClusterSecrets{
+		MasterSecret: h.Master, Salt: h.Salt, JoinCACert: h.JoinCA.CertPEM(), JoinCAKey: joinKey,
+		APIServerEndpoint: strings.TrimPrefix(h.API.URL, "https://"), KubernetesVersion: "v1.36.3",
+	}); err != nil {
+		t.Fatal(err)
+	}
+	caKey, err := pki.EncodeKeyPEM(h.API.CA.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol := &policy.Policy{Images: []policy.Image{{Name: "swtpm-zero", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{}}}}
+	for _, i := range QuotedPCRs {
+		pol.Images[0].PCRs[i] = make([]byte, 32)
+	}
+	polData, err := pol.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := map[string][]byte{
+		filepath.Join(paths.PKIDir(), "ca.crt"): h.API.CA.CertPEM(),
+		filepath.Join(paths.PKIDir(), "ca.key"): caKey,
+		filepath.Join(h.dir, "ek-ca.pem"):       h.EKCA.BundlePEM(),
+		filepath.Join(h.dir, "admin.conf"):      h.API.Kubeconfig,
+		filepath.Join(h.dir, "policy.yaml"):     polData,
+	}
+	for p, data := range files {
+		if err := nodestate.WriteFile(p, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := map[string]any{
+		"metadataURL": h.MetaURL, "stateDisk": "unused: the join service opens no disk",
+		"paths":         map[string]string{"state": paths.State, "kubernetesDir": paths.KubernetesDir, "kubeletDir": paths.KubeletDir},
+		"sourceAddress": "127.0.0.1", "joinListenHost": "127.0.0.1",
+		"ekCABundle": filepath.Join(h.dir, "ek-ca.pem"), "kubeconfig": filepath.Join(h.dir, "admin.conf"),
+		"policyFile": filepath.Join(h.dir, "policy.yaml"),
+	}
+	data, err := yaml.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.config = filepath.Join(h.dir, "joinservice.yaml")
+	if err := os.WriteFile(h.config, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Service is a running join service process.
+type Service struct {
+	cmd     *exec.Cmd
+	log     *syncBuffer
+	Ready   time.Time
+	Debug   string // its pprof address
+	cpu0    time.Duration
+	stopped bool
+}
+
+// StartService starts `berth-agent joinservice` and waits until it listens.
+func (h *Host) StartService() *Service {
+	t := h.t
+	t.Helper()
+	debug := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	s := &Service{log: &syncBuffer{}, Debug: debug}
+	s.cmd = exec.Command(h.agentBin, "joinservice", "--config", h.config, "--debug-listen", debug)
+	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	h.mu.Lock()
+	h.service = s
+	h.mu.Unlock()
+	t.Cleanup(func() { s.Kill() })
+	deadline := time.Now().Add(30 * time.Second)
+	for !strings.Contains(s.log.String(), `"msg":"join service listening"`) {
+		if time.Now().After(deadline) || s.cmd.ProcessState != nil {
+			t.Fatalf("the join service did not start listening:\n%s", s.log.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.Ready = time.Now()
+	s.cpu0 = s.CPU()
+	return s
+}
+
+// CPU is the process's user and system time so far.
+func (s *Service) CPU() time.Duration {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", s.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which is in parentheses and may hold spaces.
+	fields := strings.Fields(string(data[bytes.LastIndexByte(data, ')')+2:]))
+	utime, _ := strconv.ParseInt(fields[11], 10, 64)
+	stime, _ := strconv.ParseInt(fields[12], 10, 64)
+	const clockTicks = 100 // USER_HZ on Linux
+	return time.Duration(utime+stime) * time.Second / clockTicks
+}
+
+// StormCPU is the CPU time spent since the service became ready.
+func (s *Service) StormCPU() time.Duration { return s.CPU() - s.cpu0 }
+
+// PeakRSS is the process's high-water resident set size, in bytes.
+func (s *Service) PeakRSS() int64 { return peakRSS(s.cmd.Process.Pid) }
+
+// HeapInUse reads the service's live heap from its pprof endpoint, after a garbage collection.
+func (s *Service) HeapInUse() (int64, error) {
+	resp, err := http.Get("http://" + s.Debug + "/debug/pprof/heap?debug=1&gc=1")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	var buf bytes.Buffer
+	if _, err := buf.ReadFrom(resp.Body); err != nil {
+		return 0, err
+	}
+	for line := range strings.SplitSeq(buf.String(), "\n") {
+		if v, ok := strings.CutPrefix(line, "# HeapInuse = "); ok {
+			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		}
+	}
+	return 0, errors.New("no HeapInuse in the heap profile")
+}
+
+// Log is what the service wrote.
+func (s *Service) Log() string { return s.log.String() }
+
+// Kill ends the service with SIGKILL, as a crash would.
+func (s *Service) Kill() {
+	if s.stopped {
+		return
+	}
+	s.stopped = true
+	s.cmd.Process.Kill()
+	s.cmd.Wait()
+}
+
+// Agent is one storm agent's outcome.
+type Agent struct {
+	Name   string
+	Start  time.Time
+	Ticket time.Time // when Join returned with the ticket
+	Err    error
+	Disk   string
+	Key    []byte // the disk key the ticket carried
+}
+
+// Storm joins every instance at once with the join client and returns when all are done or ctx ends.
+// Backoff and rnd set the agents' retry schedule.
+func (h *Host) Storm(ctx context.Context, workers []metadata.Instance, bo backoff.Policy, rnd func() float64) []*Agent {
+	var wg sync.WaitGroup
+	agents := make([]*Agent, len(workers))
+	for i, w := range workers {
+		a := &Agent{Name: w.Name}
+		agents[i] = a
+		wg.Go(func() { h.join(ctx, i, w, a, bo, rnd) })
+	}
+	wg.Wait()
+	return agents
+}
+
+func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, bo backoff.Policy, rnd func() float64) {
+	dir := filepath.Join(h.dir, "agents", w.Name)
+	disk := &keyRecorder{}
+	a.Disk = newUUID()
+	jc := joinclient.New(joinclient.Config{
+		Metadata: &metadata.Client{BaseURL: h.MetaURL, LocalAddr: w.Addresses[0]},
+		Prover:   h.provers[i%len(h.provers)],
+		Disk:     disk,
+		Lock:     &nodestate.Lock{},
+		Kubeadm:  noKubeadm{},
+		Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "kubernetes"),
+			KubeletDir: filepath.Join(dir, "kubelet")},
+		PCRs: QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
+	})
+	a.Start = time.Now()
+	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, InitialKey: make([]byte, 32)})
+	a.Ticket = time.Now()
+	a.Key = disk.key
+}
+
+// keyRecorder stands for the state disk: a storm measures tickets, not LUKS.
+type keyRecorder struct{ key []byte }
+
+func (k *keyRecorder) SetKey(_ context.Context, _, key []byte) error {
+	k.key = slices.Clone(key)
+	return nil
+}
+
+// noKubeadm stands for kubeadm: a storm needs no kubelet.
+type noKubeadm struct{}
+
+func (noKubeadm) Init(context.Context, string, func(string)) error {
+	return errors.New("storm agents do not init")
+}
+func (noKubeadm) Join(context.Context, string, func(string)) error { return nil }
+
+// BootAgent boots one real `berth-agent boot` process as worker w, with its own swtpm, a LUKS2 image as its
+// state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node has joined.
+func (h *Host) BootAgent(ctx context.Context, w metadata.Instance) (peakRSS int64, took time.Duration, err error) {
+	dir := filepath.Join(h.dir, "processes", w.Name)
+	tpm := h.EKCA.NewTPM(h.t)
+	img := filepath.Join(dir, "state.img")
+	kubeadm := filepath.Join(dir, "kubeadm")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return 0, 0, err
+	}
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		return 0, 0, err
+	}
+	if err := os.Truncate(img, 32<<20); err != nil {
+		return 0, 0, err
+	}
+	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
+		return 0, 0, err
+	}
+	config, err := h.writeAgentConfig(dir, w.Addresses[0].String(), tpm.Device(), img, kubeadm)
+	if err != nil {
+		return 0, 0, err
+	}
+	var out syncBuffer
+	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	if err := cmd.Run(); err != nil {
+		return 0, 0, fmt.Errorf("berth-agent boot as %s: %w\n%s", w.Name, err, out.String())
+	}
+	ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+	if !ok {
+		return 0, 0, errors.New("no resource usage for the agent process")
+	}
+	return ru.Maxrss * 1024, time.Since(start), nil
+}
+
+// writeAgentConfig writes the configuration of a real agent process in dir and returns its path.
+func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string) (string, error) {
+	cfg := map[string]any{
+		"metadataURL": h.MetaURL, "tpm": tpm, "stateDisk": img, "sourceAddress": addr, "kubeadm": kubeadm,
+		"pcrs": QuotedPCRs, "retryMax": "2s",
+		"paths": map[string]string{"state": filepath.Join(dir, "state"), "kubernetesDir": filepath.Join(dir, "kubernetes"),
+			"kubeletDir": filepath.Join(dir, "kubelet")},
+	}
+	data, err := yaml.Marshal(cfg)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "agent.yaml")
+	return path, os.WriteFile(path, data, 0o600)
+}
+
+func peakRSS(pid int) int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb * 1024
+		}
+	}
+	return 0
+}
+
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		t.Fatal("cannot locate this source file")
+	}
+	return filepath.Join(filepath.Dir(file), "..", "..", "..")
+}
+
+func buildAgent(t testing.TB, dir string) string {
+	t.Helper()
+	bin := filepath.Join(dir, "berth-agent")
+	cmd := exec.Command("go", "build", "-o", bin, "./nodeagent/cmd/berth-agent")
+	cmd.Dir = repoRoot(t)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building berth-agent: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func newUUID() string {
+	var b [16]byte
+	rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b[:])
+	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
