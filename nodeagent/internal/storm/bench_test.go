@@ -92,7 +92,8 @@ func storm(t *testing.T, n int) stormResult {
 	peaks := make([]int64, realAgents)
 	errs := make([]error, realAgents)
 	for i := range realAgents {
-		wg.Go(func() { peaks[i], _, errs[i] = h.BootAgent(ctx, workers[n+i]) })
+		tpm := h.EKCA.NewTPM(t)
+		wg.Go(func() { peaks[i], _, errs[i] = h.BootAgent(ctx, workers[n+i], tpm) })
 	}
 	start := time.Now()
 	agents := h.Storm(ctx, workers[:n], backoff.Policy{}, nil)

@@ -29,7 +29,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -361,11 +360,11 @@ func (noKubeadm) Init(context.Context, string, func(string)) error {
 }
 func (noKubeadm) Join(context.Context, string, func(string)) error { return nil }
 
-// BootAgent boots one real `berth-agent boot` process as worker w, with its own swtpm, a LUKS2 image as its
-// state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node has joined.
-func (h *Host) BootAgent(ctx context.Context, w metadata.Instance) (peakRSS int64, took time.Duration, err error) {
+// BootAgent boots one real `berth-agent boot` process as worker w, with tpm (its own, from h.EKCA), a LUKS2
+// image as its state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node
+// has joined. It returns the process's peak RSS.
+func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *tpmtest.TPM) (peakBytes int64, took time.Duration, err error) {
 	dir := filepath.Join(h.dir, "processes", w.Name)
-	tpm := h.EKCA.NewTPM(h.t)
 	img := filepath.Join(dir, "state.img")
 	kubeadm := filepath.Join(dir, "kubeadm")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -388,14 +387,32 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance) (peakRSS int6
 	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
-	if err := cmd.Run(); err != nil {
+	if err := cmd.Start(); err != nil {
+		return 0, 0, err
+	}
+	// The process's own high-water mark, sampled until it exits: wait4's ru_maxrss would also count the
+	// test process, whose memory the child shared between fork and exec.
+	done := make(chan struct{})
+	sampled := make(chan int64, 1)
+	go func() {
+		var peak int64
+		for {
+			peak = max(peak, peakRSS(cmd.Process.Pid))
+			select {
+			case <-done:
+				sampled <- peak
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	err = cmd.Wait()
+	close(done)
+	peak := <-sampled
+	if err != nil {
 		return 0, 0, fmt.Errorf("berth-agent boot as %s: %w\n%s", w.Name, err, out.String())
 	}
-	ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage)
-	if !ok {
-		return 0, 0, errors.New("no resource usage for the agent process")
-	}
-	return ru.Maxrss * 1024, time.Since(start), nil
+	return peak, time.Since(start), nil
 }
 
 // writeAgentConfig writes the configuration of a real agent process in dir and returns its path.
