@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -27,7 +28,8 @@ import (
 const MaxMessageSize = 256 << 10
 
 // ServerOptions are the options of every Berth gRPC server: TLS 1.3 with cert, bounded messages,
-// a handshake timeout, few streams per connection, and idle connections closed.
+// a handshake timeout, few streams per connection, and idle connections closed soon: nodes open one
+// connection per exchange, so an idle one only holds a slot of a LimitListener.
 func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 	cfg := &tls.Config{
 		MinVersion:   tls.VersionTLS13,
@@ -39,7 +41,7 @@ func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 		grpc.MaxSendMsgSize(MaxMessageSize),
 		grpc.ConnectionTimeout(10 * time.Second),
 		grpc.MaxConcurrentStreams(8),
-		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: time.Minute, MaxConnectionAge: 10 * time.Minute}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 15 * time.Second, MaxConnectionAge: 10 * time.Minute}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second}),
 	}
 }
@@ -129,4 +131,49 @@ func Recv[T any](ctx context.Context, s Receiver[T]) (*T, error) {
 	case <-ctx.Done():
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
+}
+
+// LimitListener accepts at most n connections at a time; further connections wait in the kernel's listen
+// queue until one closes. A storm of nodes then costs the server a bounded number of TLS handshakes and
+// transport buffers at once, instead of memory and CPU in proportion to the storm.
+func LimitListener(l net.Listener, n int) net.Listener {
+	return &limitListener{Listener: l, slots: make(chan struct{}, n), done: make(chan struct{})}
+}
+
+type limitListener struct {
+	net.Listener
+	slots     chan struct{}
+	done      chan struct{}
+	closeOnce sync.Once
+}
+
+func (l *limitListener) Accept() (net.Conn, error) {
+	select {
+	case l.slots <- struct{}{}:
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+	c, err := l.Listener.Accept()
+	if err != nil {
+		<-l.slots
+		return nil, err
+	}
+	return &limitedConn{Conn: c, release: func() { <-l.slots }}, nil
+}
+
+func (l *limitListener) Close() error {
+	l.closeOnce.Do(func() { close(l.done) })
+	return l.Listener.Close()
+}
+
+type limitedConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *limitedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
 }

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"time"
 
@@ -30,6 +31,11 @@ import (
 // InitialPolicyFile is where the init server leaves the policy of the init request, for the join service
 // to publish as its ConfigMap when none exists yet.
 const InitialPolicyFile = "join-policy.yaml"
+
+// joinConnectionsPerCPU bounds the exchanges in progress: a node holds its connection while its TPM quotes
+// and activates (up to a few hundred milliseconds on a vTPM), so a few dozen per CPU keep the CPUs busy
+// while a storm beyond that waits in the listen queue instead of costing memory.
+const joinConnectionsPerCPU = 32
 
 // serverCertValidity is the join service's certificate lifetime; the service makes a new one each start.
 const serverCertValidity = 90 * 24 * time.Hour
@@ -112,6 +118,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
+	lis = rpc.LimitListener(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0))
 	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
 	berthv1.RegisterJoinServiceServer(gs, svc)
 	served := make(chan error, 1)
