@@ -162,8 +162,13 @@ func (h *Host) checkAgents(t *testing.T, agents []*Agent) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !bytes.Equal(a.Key, want) {
-			t.Errorf("%s holds a disk key that is not its disk's derived key", a.Name)
+		if len(a.Keys) == 0 {
+			t.Errorf("%s was given no disk key", a.Name)
+		}
+		for _, k := range a.Keys {
+			if !bytes.Equal(k, want) {
+				t.Errorf("%s was given a disk key that is not its disk's derived key", a.Name)
+			}
 		}
 	}
 	secrets, err := h.API.Client.CoreV1().Secrets(joinservice.Namespace).List(context.Background(), metav1.ListOptions{

@@ -307,7 +307,7 @@ type Agent struct {
 	Ticket time.Time // when Join returned with the ticket
 	Err    error
 	Disk   string
-	Key    []byte // the disk key the ticket carried
+	Keys   [][]byte // every disk key the agent was given, in order
 }
 
 // Storm joins every instance at once with the join client and returns when all are done or ctx ends.
@@ -341,14 +341,14 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 	a.Start = time.Now()
 	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, InitialKey: make([]byte, 32)})
 	a.Ticket = time.Now()
-	a.Key = disk.key
+	a.Keys = disk.keys
 }
 
 // keyRecorder stands for the state disk: a storm measures tickets, not LUKS.
-type keyRecorder struct{ key []byte }
+type keyRecorder struct{ keys [][]byte }
 
 func (k *keyRecorder) SetKey(_ context.Context, _, key []byte) error {
-	k.key = slices.Clone(key)
+	k.keys = append(k.keys, slices.Clone(key))
 	return nil
 }
 
