@@ -42,7 +42,7 @@ func Start(t testing.TB) *APIServer {
 	t.Helper()
 	bin := kubeBin(t)
 	dir := t.TempDir()
-	etcdClient, etcdPeer, apiPort := freePort(t), freePort(t), freePort(t)
+	etcdClient, etcdPeer, apiPort := FreePort(t), FreePort(t), FreePort(t)
 
 	now := time.Now()
 	ca, err := pki.NewCA("kubetest-ca", now, 24*time.Hour)
@@ -211,7 +211,8 @@ func waitReady(t testing.TB, url string, ca *x509.Certificate, certPEM, keyPEM [
 	}
 }
 
-func freePort(t testing.TB) int {
+// FreePort is a TCP port free on 127.0.0.1 now, for a server the test starts next.
+func FreePort(t testing.TB) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/hex"
@@ -18,7 +17,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -36,6 +34,7 @@ import (
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/test/measuredboot"
 )
@@ -395,22 +394,7 @@ func (s *stages) print() {
 }
 
 // logLines collects what a process writes, line by line, for tests to wait on.
-type logLines struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logLines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logLines) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
+type logLines struct{ joinlab.SafeBuffer }
 
 func (l *logLines) len() int { return len(l.lines()) }
 

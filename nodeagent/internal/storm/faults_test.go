@@ -20,6 +20,7 @@ import (
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -219,7 +220,7 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		var out syncBuffer
+		var out joinlab.SafeBuffer
 		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
 		cmd.Env = append(os.Environ(), env...)
 		cmd.Stdout, cmd.Stderr = &out, &out

@@ -40,15 +40,12 @@ import (
 	"github.com/berthlabs/berth/internal/kubetest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
-	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/tpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
-
-// QuotedPCRs are what the storm's agents quote; fresh swtpms hold zeros in all of them.
-var QuotedPCRs = []int{0, 4, 7, 9, 11}
 
 // Host is the cluster side of a storm.
 type Host struct {
@@ -89,7 +86,7 @@ func NewHost(t testing.TB, tpms int) *Host {
 		t.Fatal(err)
 	}
 	h.agentBin = buildAgent(t, h.dir)
-	h.joinPort = uint16(freePort(t))
+	h.joinPort = uint16(kubetest.FreePort(t))
 	h.doc = metadata.Document{
 		UserData: metadata.UserData{ClusterName: "storm", JoinPort: h.joinPort, JoinCAPin: pki.SPKIPin(h.JoinCA.Cert)},
 		Instances: []metadata.Instance{{Name: "cp-0", Role: metadata.RoleControlPlane,
@@ -174,11 +171,8 @@ func (h *Host) writeServiceNode() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol := &policy.Policy{Images: []policy.Image{{Name: "swtpm-zero", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{}}}}
-	for _, i := range QuotedPCRs {
-		pol.Images[0].PCRs[i] = make([]byte, 32)
-	}
-	polData, err := pol.Marshal()
+	// Fresh swtpms hold zeros in every PCR the agents quote.
+	polData, err := joinlab.ZeroPolicy("swtpm-zero", metadata.RoleWorker).Marshal()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,7 +208,7 @@ func (h *Host) writeServiceNode() {
 // Service is a running join service process.
 type Service struct {
 	cmd     *exec.Cmd
-	log     *syncBuffer
+	log     *joinlab.SafeBuffer
 	Ready   time.Time
 	Debug   string // its pprof address
 	cpu0    time.Duration
@@ -225,8 +219,8 @@ type Service struct {
 func (h *Host) StartService() *Service {
 	t := h.t
 	t.Helper()
-	debug := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	s := &Service{log: &syncBuffer{}, Debug: debug}
+	debug := fmt.Sprintf("127.0.0.1:%d", kubetest.FreePort(t))
+	s := &Service{log: &joinlab.SafeBuffer{}, Debug: debug}
 	s.cmd = exec.Command(h.agentBin, "joinservice", "--config", h.config, "--debug-listen", debug)
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
@@ -336,7 +330,7 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 		Kubeadm:  noKubeadm{},
 		Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "kubernetes"),
 			KubeletDir: filepath.Join(dir, "kubelet")},
-		PCRs: QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
+		PCRs: joinlab.QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
 	})
 	a.Start = time.Now()
 	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, InitialKey: make([]byte, 32)})
@@ -383,7 +377,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *tpmtest.
 	if err != nil {
 		return 0, 0, err
 	}
-	var out syncBuffer
+	var out joinlab.SafeBuffer
 	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
@@ -419,7 +413,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *tpmtest.
 func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string) (string, error) {
 	cfg := map[string]any{
 		"metadataURL": h.MetaURL, "tpm": tpm, "stateDisk": img, "sourceAddress": addr, "kubeadm": kubeadm,
-		"pcrs": QuotedPCRs, "retryMax": "2s",
+		"pcrs": joinlab.QuotedPCRs, "retryMax": "2s",
 		"paths": map[string]string{"state": filepath.Join(dir, "state"), "kubernetesDir": filepath.Join(dir, "kubernetes"),
 			"kubeletDir": filepath.Join(dir, "kubelet")},
 	}
@@ -465,16 +459,6 @@ func buildAgent(t testing.TB, dir string) string {
 	return bin
 }
 
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 func newUUID() string {
 	var b [16]byte
 	rand.Read(b[:])
@@ -482,21 +466,4 @@ func newUUID() string {
 	b[8] = b[8]&0x3f | 0x80
 	h := hex.EncodeToString(b[:])
 	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
