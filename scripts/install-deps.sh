@@ -6,7 +6,8 @@
 # (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
 # cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); mmdebstrap (the root file system of
 # the local node image, from Debian's archive), kmod (its kernel modules' index) and busybox-static (a shell
-# for chroot tests); and Terraform (below).
+# for chroot tests); gcc (cgo: CFSSL's sqlite driver) and sqlite3 (CFSSL's certificate database in the
+# remote-signer tests); and Terraform (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
 
@@ -49,6 +50,8 @@ declare -A pkgs=(
 	[depmod]=kmod
 	[mmdebstrap]=mmdebstrap
 	[busybox]=busybox-static
+	[gcc]=gcc
+	[sqlite3]=sqlite3
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.
