@@ -54,6 +54,9 @@ type Config struct {
 	PolicyFile string `json:"policyFile,omitempty"`
 	// PolicyConfigMap is the join policy's ConfigMap in kube-system.
 	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
+	// CFSSL, if set, makes the join service sign kubelet client certificates through a CFSSL remote signer,
+	// so that the Kubernetes CA's key (ca.key) need not be on this machine.
+	CFSSL *CFSSLConfig `json:"cfssl,omitempty"`
 	// SkipPhases are kubeadm init phases this image leaves out (e.g. addons whose images it does not carry).
 	SkipPhases []string `json:"skipPhases,omitempty"`
 	// ImageRepository is where kubeadm takes the control-plane images from (the image's own, preloaded).
@@ -62,6 +65,19 @@ type Config struct {
 	Kubelet KubeletConfig `json:"kubelet,omitempty"`
 	// RetryMax caps the join client's backoff.
 	RetryMax Duration `json:"retryMax,omitempty"`
+}
+
+// CFSSLConfig names a CFSSL remote signer (`cfssl serve`) and the signing profile for kubelet client
+// certificates.
+type CFSSLConfig struct {
+	// URL is CFSSL's base URL, such as http://10.0.0.5:8888.
+	URL string `json:"url"`
+	// Profile is the signing profile; its auth_key is the one in AuthKeyFile.
+	Profile string `json:"profile"`
+	// AuthKeyFile holds the profile's HMAC key in hexadecimal, as CFSSL's config has it.
+	AuthKeyFile string `json:"authKeyFile"`
+	// Label picks the signer of a CFSSL with several; empty for one.
+	Label string `json:"label,omitempty"`
 }
 
 // KubeletConfig is the kubelet's side of the image.
@@ -149,6 +165,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Paths.State == "" || c.Paths.KubernetesDir == "" || c.Paths.KubeletDir == "" {
 		errs = append(errs, errors.New("paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"))
+	}
+	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
+		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
 	}
 	return errors.Join(errs...)
 }

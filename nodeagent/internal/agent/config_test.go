@@ -145,6 +145,8 @@ func TestLoadConfigRefusals(t *testing.T) {
 		notWant []string
 	}{
 		{name: "unknown field", content: minimalConfig + "stateDsk: /dev/vdc\n", want: []string{`unknown field "stateDsk"`}},
+		{name: "cfssl without a key", content: minimalConfig + "cfssl:\n  url: http://127.0.0.1:8888\n  profile: kubelet\n",
+			want: []string{"cfssl needs url, profile and authKeyFile"}},
 		{name: "unknown nested field", content: minimalConfig + "paths:\n  state: /s\n  kubernetesDir: /k\n  kubeletDir: /l\n  pkiDir: /p\n",
 			want: []string{`unknown field "pkiDir"`}},
 		{name: "empty file", content: "", want: []string{"metadataURL is required", "stateDisk is required"}},

@@ -20,6 +20,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -51,9 +52,9 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	kubeCA, err := readCA(a.cfg.Paths.PKIDir())
+	kubeCA, signer, err := a.kubeletSigning()
 	if err != nil {
-		return fmt.Errorf("join service: Kubernetes CA: %w", err)
+		return fmt.Errorf("join service: %w", err)
 	}
 	joinCA, err := pki.ParseCA(secrets.JoinCACert, secrets.JoinCAKey)
 	if err != nil {
@@ -100,6 +101,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
 		KubernetesCA:      kubeCA,
+		KubeletSigner:     signer,
 		APIServerEndpoint: secrets.APIServerEndpoint,
 		KubernetesVersion: secrets.KubernetesVersion,
 		ControlPlaneFiles: joinservice.PKIFiles(a.cfg.Paths.PKIDir()),
@@ -157,16 +159,41 @@ func (a *Agent) publishInitialPolicy(ctx context.Context, kube kubernetes.Interf
 	return err
 }
 
-func readCA(dir string) (*pki.CA, error) {
-	cert, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
+// kubeletSigning is the Kubernetes CA and, with a CFSSL configured, the signer of kubelet certificates;
+// then the CA's key is not read, and need not be on this machine.
+func (a *Agent) kubeletSigning() (*pki.CA, joinservice.KubeletSigner, error) {
+	dir := a.cfg.Paths.PKIDir()
+	certPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
 	if err != nil {
-		return nil, err
+		return nil, nil, fmt.Errorf("Kubernetes CA: %w", err)
 	}
-	key, err := os.ReadFile(filepath.Join(dir, "ca.key"))
+	c := a.cfg.CFSSL
+	if c == nil {
+		key, err := os.ReadFile(filepath.Join(dir, "ca.key"))
+		if err != nil {
+			return nil, nil, fmt.Errorf("Kubernetes CA: %w (configure cfssl to sign kubelet certificates without it)", err)
+		}
+		ca, err := pki.ParseCA(certPEM, key)
+		if err != nil {
+			return nil, nil, fmt.Errorf("Kubernetes CA: %w", err)
+		}
+		return ca, nil, nil
+	}
+	cert, err := pki.ParseCertPEM(certPEM)
 	if err != nil {
-		return nil, err
+		return nil, nil, fmt.Errorf("Kubernetes CA: %w", err)
 	}
-	return pki.ParseCA(cert, key)
+	hexKey, err := os.ReadFile(c.AuthKeyFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("CFSSL auth key: %w", err)
+	}
+	key, err := cfssl.ParseAuthKey(string(hexKey))
+	if err != nil {
+		return nil, nil, fmt.Errorf("CFSSL auth key %s: %w", c.AuthKeyFile, err)
+	}
+	signer := &cfssl.Signer{URL: c.URL, Profile: c.Profile, AuthKey: key, Label: c.Label,
+		Logger: a.log.With("component", "cfssl")}
+	return &pki.CA{Cert: cert}, joinservice.CFSSLSigner{Signer: signer}, nil
 }
 
 // serverCert issues this node's join-service certificate, with the join CA in the chain so that nodes

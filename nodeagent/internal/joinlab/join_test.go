@@ -3,7 +3,6 @@ package joinlab
 import (
 	"context"
 	"crypto/x509"
-	"encoding/pem"
 	"log/slog"
 	"net"
 	"os"
@@ -148,18 +147,7 @@ func opensWith(t *testing.T, image string, key []byte) bool {
 
 func checkKubeletCert(t *testing.T, lab *Lab, n *Node) {
 	t.Helper()
-	data, err := os.ReadFile(joinclient.KubeletCertPath(n.Paths))
-	if err != nil {
-		t.Fatal(err)
-	}
-	block, _ := pem.Decode(data)
-	if block == nil || block.Type != "CERTIFICATE" {
-		t.Fatalf("kubelet certificate file starts with %v", block)
-	}
-	cert, err := x509.ParseCertificate(block.Bytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cert := readKubeletCert(t, n)
 	roots := x509.NewCertPool()
 	roots.AddCert(lab.KubeCA.Cert)
 	if _, err := cert.Verify(x509.VerifyOptions{Roots: roots, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {

@@ -63,9 +63,22 @@ type Lab struct {
 	next int
 }
 
+// Option changes the lab's join service.
+type Option func(*joinservice.Config)
+
+// WithKubeletSigner makes the join service sign kubelet certificates with s instead of the lab's CA key.
+func WithKubeletSigner(s joinservice.KubeletSigner) Option {
+	return func(c *joinservice.Config) { c.KubeletSigner = s }
+}
+
+// WithKubernetesCA gives the join service another cluster CA, such as the one a remote signer holds.
+func WithKubernetesCA(ca *pki.CA) Option {
+	return func(c *joinservice.Config) { c.KubernetesCA = ca }
+}
+
 // New starts the metadata service and the join service. The service's own control-plane instance, "cp-0",
 // has 127.0.0.1.
-func New(t testing.TB) *Lab {
+func New(t testing.TB, opts ...Option) *Lab {
 	t.Helper()
 	now := time.Now()
 	l := &Lab{t: t, EKCA: tpmtest.NewCA(t), Kube: fake.NewClientset(), Logs: &SafeBuffer{}, next: 2}
@@ -106,7 +119,7 @@ func New(t testing.TB) *Lab {
 	go hs.Serve(metaLis)
 	t.Cleanup(func() { hs.Close() })
 
-	l.Service, err = joinservice.New(joinservice.Config{
+	cfg := joinservice.Config{
 		Verifier:          attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
 		Policy:            l.Policy,
 		Instances:         &metadata.Client{BaseURL: l.MetaURL},
@@ -123,7 +136,11 @@ func New(t testing.TB) *Lab {
 		JoinCA:  l.JoinCA,
 		Timeout: 20 * time.Second,
 		Logger:  slog.New(slog.NewTextHandler(l.Logs, nil)),
-	})
+	}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	l.Service, err = joinservice.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -62,7 +62,13 @@ type PolicySource interface {
 	Load() *policy.Policy
 }
 
-// Config is everything a Server needs; all fields but Clock, Logger, TokenTTL, Timeout and
+// KubeletSigner signs the client certificate of a node's kubelet, after the service has attested the node
+// and checked its CSR: CN system:node:<name>, O system:nodes, the node's addresses as IP SANs.
+type KubeletSigner interface {
+	SignKubelet(ctx context.Context, csr *x509.CertificateRequest, node string, ips []net.IP) (*x509.Certificate, error)
+}
+
+// Config is everything a Server needs; all fields but Clock, Logger, TokenTTL, Timeout, KubeletSigner and
 // ControlPlaneFiles are required.
 type Config struct {
 	Verifier  *attest.Verifier
@@ -73,8 +79,12 @@ type Config struct {
 
 	// MasterSecret and Salt are the roots of every derived key.
 	MasterSecret, Salt []byte
-	// KubernetesCA signs kubelet client certificates.
-	KubernetesCA      *pki.CA
+	// KubernetesCA is the cluster's CA: nodes get its certificate to trust the API server, and, unless
+	// KubeletSigner is set, its key signs kubelet client certificates.
+	KubernetesCA *pki.CA
+	// KubeletSigner, if set, signs kubelet client certificates instead of KubernetesCA's key, such as a
+	// CFSSL remote signer beside a control plane that keeps its CA key there (CFSSLSigner).
+	KubeletSigner     KubeletSigner
 	APIServerEndpoint string
 	KubernetesVersion string
 	// ControlPlaneFiles returns the files a joining control-plane node needs (CA and service-account keys).
@@ -128,6 +138,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.KubeletSigner == nil {
+		if cfg.KubernetesCA.Key == nil {
+			return nil, errors.New("join service: the Kubernetes CA has no key and no kubelet signer is configured")
+		}
+		cfg.KubeletSigner = caSigner{ca: cfg.KubernetesCA, clock: cfg.Clock}
 	}
 	id, err := keys.ClusterIDOf(cfg.MasterSecret, cfg.Salt)
 	if err != nil {
@@ -295,14 +311,15 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 	if err != nil {
 		return nil, err
 	}
-	now := s.cfg.Clock()
-	cert, err := s.cfg.KubernetesCA.IssueClient(pki.ClientTemplate{
-		CommonName:   nodeUserPrefix + ex.instance.Name,
-		Organization: []string{nodesGroup},
-		IPAddresses:  ipsOf(ex.instance.Addresses),
-	}, csr.PublicKey, now, min(kubeletCertValidity, s.cfg.KubernetesCA.Cert.NotAfter.Sub(now)))
+	cert, err := s.cfg.KubeletSigner.SignKubelet(ctx, csr, ex.instance.Name, ipsOf(ex.instance.Addresses))
 	if err != nil {
 		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
+	}
+	// Nodes trust the API server and present this certificate by the one CA the ticket names; a remote
+	// signer with another CA would fail every node after it took its ticket.
+	if err := cert.CheckSignatureFrom(s.cfg.KubernetesCA.Cert); err != nil {
+		return nil, fmt.Errorf("the kubelet certificate is not signed by the Kubernetes CA %q (its issuer is %q): the signer must sign with the cluster CA: %w",
+			s.cfg.KubernetesCA.Cert.Subject.String(), cert.Issuer.String(), err)
 	}
 	var files []*berthv1.File
 	var secrets *berthv1.ClusterSecrets

@@ -1,0 +1,339 @@
+// Package cfssltest runs a real CFSSL remote signer (`cfssl serve`) on loopback for tests, built by
+// scripts/build-cfssl.sh at the version pinned in test/cfssltools, so that the CFSSL client and the join
+// service are tested against the signer that operators run and not against a fake of its API. Each server
+// gets a fresh CA, a sqlite certificate database made from cfssl's own migrations, a "kubelet" profile
+// behind an auth key, and every unauthenticated endpoint disabled, as a signer for the join service must be
+// set up.
+package cfssltest
+
+import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Server is a running cfssl serve on 127.0.0.1.
+type Server struct {
+	URL        string            // http://127.0.0.1:<port>
+	Profile    string            // "kubelet": client auth, 24h
+	AuthKey    []byte            // the kubelet profile's key
+	AuthKeyHex string            // the same key as cfssl's config and an operator write it
+	CA         *x509.Certificate // the CA it signs with
+	DB         string            // the sqlite certificate database
+
+	log     *syncBuffer
+	stop    sync.Once
+	process *os.Process
+	exited  chan struct{}
+}
+
+// unauthenticatedEndpoints are the cfssl serve endpoints that sign, revoke or write the database without
+// an auth key, or fetch from the network: a signer for the join service must serve none of them.
+var unauthenticatedEndpoints = []string{
+	"sign", "newcert", "newkey", "init_ca", "revoke", "certadd", "gencrl", "crl", "ocspsign",
+	"bundle", "scan", "scaninfo", "certinfo", "info",
+}
+
+// Start runs cfssl serve with a fresh CA, a sqlite certificate database and the kubelet profile; the
+// default profile requires another key, so no request signs without the kubelet key. It is stopped when
+// the test ends.
+func Start(t testing.TB) *Server {
+	t.Helper()
+	bin := binary(t)
+	dir := t.TempDir()
+	keyHex := randomKeyHex(t)
+	key, err := hex.DecodeString(keyHex)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{
+		Profile:    "kubelet",
+		AuthKey:    key,
+		AuthKeyHex: keyHex,
+		CA:         writeCA(t, dir),
+		DB:         filepath.Join(dir, "certs.db"),
+		log:        &syncBuffer{},
+		exited:     make(chan struct{}),
+	}
+
+	sqlite(t, s.DB, schema(t))
+	dbConfig, err := json.Marshal(map[string]string{"driver": "sqlite3", "data_source": s.DB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, filepath.Join(dir, "db.json"), dbConfig)
+	config := fmt.Sprintf(`{
+  "signing": {
+    "default": {"expiry": "1h", "usages": ["digital signature"], "auth_key": "default"},
+    "profiles": {
+      %q: {"expiry": "24h", "usages": ["digital signature", "key encipherment", "client auth"], "auth_key": "kubelet"}
+    }
+  },
+  "auth_keys": {
+    "default": {"type": "standard", "key": %q},
+    "kubelet": {"type": "standard", "key": %q}
+  }
+}`, s.Profile, randomKeyHex(t), keyHex)
+	writeFile(t, filepath.Join(dir, "config.json"), []byte(config))
+
+	// cfssl takes a port, not a listener: reserve a free one and release it just before.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	s.URL = "http://127.0.0.1:" + strconv.Itoa(port)
+
+	cmd := exec.Command(bin, "serve", "-address", "127.0.0.1", "-port", strconv.Itoa(port),
+		"-ca", filepath.Join(dir, "ca.pem"), "-ca-key", filepath.Join(dir, "ca-key.pem"),
+		"-config", filepath.Join(dir, "config.json"), "-db-config", filepath.Join(dir, "db.json"),
+		"-disable", strings.Join(unauthenticatedEndpoints, ","))
+	cmd.Stdout, cmd.Stderr = s.log, s.log
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting cfssl serve: %v", err)
+	}
+	s.process = cmd.Process
+	go func() {
+		_ = cmd.Wait()
+		close(s.exited)
+	}()
+	t.Cleanup(s.Stop)
+
+	// Ready when health answers; a cfssl that exits or never answers fails the test.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Get(s.URL + "/api/v1/cfssl/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return s
+			}
+		}
+		select {
+		case <-s.exited:
+			t.Fatalf("cfssl serve exited before it was ready:\n%s", s.log)
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("cfssl serve did not answer on %s within 20s:\n%s", s.URL, s.log)
+		}
+	}
+}
+
+// Stop kills cfssl serve and waits until it has exited, for tests of a signer that is down; stopping
+// again does nothing.
+func (s *Server) Stop() {
+	s.stop.Do(func() {
+		_ = s.process.Kill()
+		<-s.exited
+	})
+}
+
+// Log is what cfssl has logged so far, for failure messages.
+func (s *Server) Log() string { return s.log.String() }
+
+// Record is a certificate's row in the certificate database.
+type Record struct {
+	CommonName     string
+	Status         string // "good", "revoked"
+	AuthorityKeyID string // hex, as CFSSL writes it
+}
+
+// Recorded returns the database row of the certificate with this serial, and whether there is one.
+func (s *Server) Recorded(t testing.TB, serial *big.Int) (Record, bool) {
+	t.Helper()
+	// CFSSL records the serial in decimal; big.Int's decimal form is digits only, safe to quote in SQL.
+	out := sqlite(t, s.DB, fmt.Sprintf(".mode json\nSELECT common_name, status, authority_key_identifier FROM certificates WHERE serial_number = '%s';", serial))
+	if out == "" {
+		return Record{}, false
+	}
+	var rows []struct {
+		CommonName     string `json:"common_name"`
+		Status         string `json:"status"`
+		AuthorityKeyID string `json:"authority_key_identifier"`
+	}
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
+		t.Fatalf("sqlite3 printed no JSON rows for serial %s: %v\n%s", serial, err, out)
+	}
+	if len(rows) != 1 {
+		t.Fatalf("certificate database has %d rows for serial %s, want at most one (the test CA is the only issuer)", len(rows), serial)
+	}
+	return Record(rows[0]), true
+}
+
+// binary returns the cfssl binary of $BERTH_CFSSL_BIN (a bin directory) or else of
+// scripts/build-cfssl.sh, which builds it on first use.
+func binary(t testing.TB) string {
+	t.Helper()
+	dir := os.Getenv("BERTH_CFSSL_BIN")
+	if dir == "" {
+		var stdout, stderr bytes.Buffer
+		cmd := exec.Command(filepath.Join(repoRoot(t), "scripts", "build-cfssl.sh"))
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("scripts/build-cfssl.sh failed (it needs go, gcc for cfssl's sqlite driver, and the Go module proxy or cache): %v\n%s", err, stderr.String())
+		}
+		lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+		dir = lines[len(lines)-1]
+	}
+	bin := filepath.Join(dir, "cfssl")
+	if fi, err := os.Stat(bin); err != nil || fi.Mode()&0o111 == 0 {
+		t.Fatalf("cfssl not found as an executable at %s (BERTH_CFSSL_BIN=%q): run scripts/build-cfssl.sh", bin, os.Getenv("BERTH_CFSSL_BIN"))
+	}
+	return bin
+}
+
+// repoRoot is the repository's root, found from this file's path.
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		t.Fatal("cannot locate cfssltest's source file to find the repository")
+	}
+	return filepath.Join(filepath.Dir(file), "..", "..", "..")
+}
+
+func lookTool(t testing.TB, name, hint string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		t.Fatalf("%s not found: %s", name, hint)
+	}
+	return p
+}
+
+// schema returns the SQL that creates cfssl's sqlite certificate database: the "Up" parts of the
+// migrations of the cfssl version pinned in test/cfssltools, in order.
+func schema(t testing.TB) string {
+	t.Helper()
+	gobin := lookTool(t, "go", "the Go toolchain is needed to find cfssl's module")
+	cmd := exec.Command(gobin, "mod", "download", "-json", "github.com/cloudflare/cfssl")
+	cmd.Dir = filepath.Join(repoRoot(t), "test", "cfssltools")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go mod download github.com/cloudflare/cfssl in test/cfssltools: %v\n%s", err, out)
+	}
+	var mod struct{ Dir string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download printed no module directory: %v\n%s", err, out)
+	}
+	files, err := filepath.Glob(filepath.Join(mod.Dir, "certdb", "sqlite", "migrations", "*.sql"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no sqlite migrations in %s: %v", mod.Dir, err)
+	}
+	slices.Sort(files)
+	var sql strings.Builder
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, up, ok := strings.Cut(string(b), "-- +goose Up")
+		if !ok {
+			t.Fatalf("%s has no goose Up section", f)
+		}
+		up, _, _ = strings.Cut(up, "-- +goose Down")
+		sql.WriteString(up)
+	}
+	return sql.String()
+}
+
+// sqlite runs statements with the sqlite3 CLI and returns its output.
+func sqlite(t testing.TB, db, stmt string) string {
+	t.Helper()
+	cmd := exec.Command(lookTool(t, "sqlite3", "run scripts/install-deps.sh (Debian package sqlite3)"), db)
+	cmd.Stdin = strings.NewReader(stmt)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("sqlite3 %s: %v\n%s", db, err, out)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// writeCA writes a self-signed ECDSA CA as cfssl serve reads it and returns its certificate.
+func writeCA(t testing.TB, dir string) *x509.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "Berth test kubelet CA", Organization: []string{"berth-test"}},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(48 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, filepath.Join(dir, "ca.pem"), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
+	writeFile(t, filepath.Join(dir, "ca-key.pem"), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}))
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cert
+}
+
+func writeFile(t testing.TB, path string, data []byte) {
+	t.Helper()
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func randomKeyHex(t testing.TB) string {
+	t.Helper()
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// syncBuffer collects cfssl's log, written by the process's copiers and read by failing tests.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
