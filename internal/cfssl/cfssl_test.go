@@ -25,6 +25,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/berthlabs/berth/internal/pki"
 )
 
 const testKeyHex = "0123456789abcdef0123456789abcdef"
@@ -37,28 +39,11 @@ type testCA struct {
 
 func newTestCA(t testing.TB) *testCA {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, err := pki.NewCA("test CA", time.Now(), time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "test CA"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &testCA{cert: cert, key: key}
+	return &testCA{cert: ca.Cert, key: ca.Key}
 }
 
 // issue returns a PEM certificate for pub with the given subject and hosts, IP addresses and DNS names
@@ -438,7 +423,7 @@ func TestSignRefusesBadInput(t *testing.T) {
 
 func newTestCAKey(t testing.TB) *ecdsa.PrivateKey {
 	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	k, err := pki.NewKey()
 	if err != nil {
 		t.Fatal(err)
 	}

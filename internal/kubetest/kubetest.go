@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +21,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // APIServer is a running API server with its etcd.
@@ -225,16 +225,5 @@ func FreePort(t testing.TB) int {
 // kubeBin is BERTH_KUBE_BIN, or the cache that scripts/build-k8s.sh fills (building it when needed).
 func kubeBin(t testing.TB) string {
 	t.Helper()
-	if dir := os.Getenv("BERTH_KUBE_BIN"); dir != "" {
-		return dir
-	}
-	_, file, _, _ := runtime.Caller(0)
-	cmd := exec.Command(filepath.Join(filepath.Dir(file), "..", "..", "scripts", "build-k8s.sh"))
-	cmd.Stderr = os.Stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("building Kubernetes (scripts/build-k8s.sh): %v", err)
-	}
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	return lines[len(lines)-1]
+	return repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
 }

@@ -7,9 +7,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
+
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // Setup builds and installs the plugin for t and points packer at it; it returns the plugin's version,
@@ -22,16 +23,12 @@ func Setup(t *testing.T) string {
 	if _, err := exec.LookPath("packer"); err != nil {
 		t.Fatal("packer not found: make testacc-packer builds it (make packer-tools) and sets BERTH_PACKER_BIN")
 	}
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("packertest: cannot locate its own source file to find scripts/install-packer-plugin.sh")
-	}
 	bin := filepath.Join(t.TempDir(), "packer-plugin-berth")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/berthlabs/berth/packer/cmd/packer-plugin-berth").CombinedOutput(); err != nil {
 		t.Fatalf("building the plugin: %v\n%s", err, out)
 	}
 	dir := t.TempDir()
-	script := filepath.Join(filepath.Dir(file), "..", "..", "scripts", "install-packer-plugin.sh")
+	script := filepath.Join(repotest.Root(t), "scripts", "install-packer-plugin.sh")
 	out, err := exec.Command(script, bin, dir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("installing the plugin: %v\n%s", err, out)

@@ -8,13 +8,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // TestLab brings up a real cluster (two control-plane nodes, two workers), runs a pod, reboots a worker,
@@ -181,19 +181,8 @@ func pool(c *x509.Certificate) *x509.CertPool {
 // and freshly built berth-agent and berth-lab binaries.
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
-	_, file, _, _ := runtime.Caller(0)
-	root := filepath.Join(filepath.Dir(file), "..", "..")
-	kubeBin = os.Getenv("BERTH_KUBE_BIN")
-	if kubeBin == "" {
-		cmd := exec.Command(filepath.Join(root, "scripts", "build-k8s.sh"))
-		cmd.Stderr = os.Stderr
-		out, err := cmd.Output()
-		if err != nil {
-			t.Fatalf("building Kubernetes: %v", err)
-		}
-		lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-		kubeBin = lines[len(lines)-1]
-	}
+	root := repotest.Root(t)
+	kubeBin = repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
 	bin := t.TempDir()
 	agent, labBin = filepath.Join(bin, "berth-agent"), filepath.Join(bin, "berth-lab")
 	for out, pkg := range map[string]string{agent: "./nodeagent/cmd/berth-agent", labBin: "./test/lab/cmd/berth-lab"} {

@@ -8,14 +8,10 @@ package cfssltest
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"math/big"
 	"net"
@@ -23,13 +19,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // Server is a running cfssl serve on 127.0.0.1.
@@ -186,32 +184,12 @@ func (s *Server) Recorded(t testing.TB, serial *big.Int) (Record, bool) {
 // scripts/build-cfssl.sh, which builds it on first use.
 func binary(t testing.TB) string {
 	t.Helper()
-	dir := os.Getenv("BERTH_CFSSL_BIN")
-	if dir == "" {
-		var stdout, stderr bytes.Buffer
-		cmd := exec.Command(filepath.Join(repoRoot(t), "scripts", "build-cfssl.sh"))
-		cmd.Stdout, cmd.Stderr = &stdout, &stderr
-		if err := cmd.Run(); err != nil {
-			t.Fatalf("scripts/build-cfssl.sh failed (it needs go, gcc for cfssl's sqlite driver, and the Go module proxy or cache): %v\n%s", err, stderr.String())
-		}
-		lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
-		dir = lines[len(lines)-1]
-	}
+	dir := repotest.BinDir(t, "BERTH_CFSSL_BIN", "build-cfssl.sh", "it needs go, gcc for cfssl's sqlite driver, and the Go module proxy or cache")
 	bin := filepath.Join(dir, "cfssl")
 	if fi, err := os.Stat(bin); err != nil || fi.Mode()&0o111 == 0 {
 		t.Fatalf("cfssl not found as an executable at %s (BERTH_CFSSL_BIN=%q): run scripts/build-cfssl.sh", bin, os.Getenv("BERTH_CFSSL_BIN"))
 	}
 	return bin
-}
-
-// repoRoot is the repository's root, found from this file's path.
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("cannot locate cfssltest's source file to find the repository")
-	}
-	return filepath.Join(filepath.Dir(file), "..", "..", "..")
 }
 
 func lookTool(t testing.TB, name, hint string) string {
@@ -229,7 +207,7 @@ func schema(t testing.TB) string {
 	t.Helper()
 	gobin := lookTool(t, "go", "the Go toolchain is needed to find cfssl's module")
 	cmd := exec.Command(gobin, "mod", "download", "-json", "github.com/cloudflare/cfssl")
-	cmd.Dir = filepath.Join(repoRoot(t), "test", "cfssltools")
+	cmd.Dir = filepath.Join(repotest.Root(t), "test", "cfssltools")
 	out, err := cmd.Output()
 	if err != nil {
 		t.Fatalf("go mod download github.com/cloudflare/cfssl in test/cfssltools: %v\n%s", err, out)
@@ -271,37 +249,21 @@ func sqlite(t testing.TB, db, stmt string) string {
 	return strings.TrimSpace(string(out))
 }
 
-// writeCA writes a self-signed ECDSA CA as cfssl serve reads it and returns its certificate.
+// writeCA writes a fresh CA as cfssl serve reads it (PEM certificate, PKCS#8 key) and returns its
+// certificate.
 func writeCA(t testing.TB, dir string) *x509.Certificate {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, err := pki.NewCA("Berth test kubelet CA", time.Now(), 48*time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "Berth test kubelet CA", Organization: []string{"berth-test"}},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(48 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	key, err := ca.KeyPEM()
 	if err != nil {
 		t.Fatal(err)
 	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeFile(t, filepath.Join(dir, "ca.pem"), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
-	writeFile(t, filepath.Join(dir, "ca-key.pem"), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}))
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cert
+	writeFile(t, filepath.Join(dir, "ca.pem"), ca.CertPEM())
+	writeFile(t, filepath.Join(dir, "ca-key.pem"), key)
+	return ca.Cert
 }
 
 func writeFile(t testing.TB, path string, data []byte) {

@@ -4,17 +4,14 @@
 package ukitest
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
-	"strings"
 	"testing"
 
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/uki"
 )
 
@@ -26,35 +23,18 @@ type Parts struct {
 	Kernel string
 }
 
-// script runs one of the repository's scripts that print a cached directory on their last line.
-func script(t testing.TB, name, needs string) string {
-	t.Helper()
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatalf("ukitest: cannot locate its own source file to find scripts/%s", name)
-	}
-	var stdout, stderr bytes.Buffer
-	cmd := exec.Command(filepath.Join(filepath.Dir(file), "..", "..", "..", "scripts", name))
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("scripts/%s failed (%s): %v\n%s", name, needs, err, stderr.String())
-	}
-	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
-	return lines[len(lines)-1]
-}
-
 // GuestRoot runs scripts/guest-root.sh, which makes the node image's Debian root file system with the
 // kernel modules of BootParts' kernel on first use (root, mmdebstrap), and returns its directory.
 func GuestRoot(t testing.TB) string {
 	t.Helper()
-	return script(t, "guest-root.sh", "it needs root, mmdebstrap and the Debian archive")
+	return repotest.Script(t, "guest-root.sh", "it needs root, mmdebstrap and the Debian archive")
 }
 
 // BootParts runs scripts/boot-parts.sh, which downloads the Debian packages into a cache on first use, and
 // returns the parts. It fails the test when apt cannot fetch them.
 func BootParts(t testing.TB) Parts {
 	t.Helper()
-	dir := script(t, "boot-parts.sh", "it needs apt and the Debian archive to fetch systemd-boot-efi and linux-image-amd64")
+	dir := repotest.Script(t, "boot-parts.sh", "it needs apt and the Debian archive to fetch systemd-boot-efi and linux-image-amd64")
 	parts := Parts{Stub: filepath.Join(dir, "linuxx64.efi.stub"), Kernel: filepath.Join(dir, "vmlinuz")}
 	for _, f := range []string{parts.Stub, parts.Kernel} {
 		if _, err := os.Stat(f); err != nil {

@@ -9,12 +9,10 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -32,6 +30,7 @@ import (
 	"github.com/berthlabs/berth/internal/packertest"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/swtpm"
 	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
@@ -70,7 +69,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	clock := &stages{t: t}
 	t.Cleanup(clock.print)
 	dir := t.TempDir()
-	repo := repoRoot(t)
+	repo := repotest.Root(t)
 
 	clock.start("tools: packer plugin, boot parts, guest root, static berth-agent")
 	packertest.Setup(t)
@@ -218,19 +217,13 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 	if err := doc.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	meta := &http.Server{Handler: metadata.NewServer(doc, slog.New(slog.DiscardHandler)), ReadHeaderTimeout: 5 * time.Second}
-	go meta.Serve(metaLis)
-	t.Cleanup(func() { meta.Close() })
+	metaAddr := joinlab.ServeMetadata(t, metadata.NewServer(doc, slog.New(slog.DiscardHandler)))
 
 	h := &host{ekCA: ekCA, joinLog: &logLines{}}
 	svc, err := joinservice.New(joinservice.Config{
 		Verifier:          attest.NewVerifier(roots, inters, nil),
 		Policy:            policy.NewStore(pol),
-		Instances:         &metadata.Client{BaseURL: "http://" + metaLis.Addr().String()},
+		Instances:         &metadata.Client{BaseURL: "http://" + metaAddr},
 		Tokens:            &joinservice.KubeTokens{Client: api.Client},
 		Disks:             &joinservice.KubeDisks{Client: api.Client},
 		MasterSecret:      master,
@@ -259,7 +252,7 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 	t.Cleanup(srv.Stop)
 
 	h.forwards = []measuredboot.Forward{
-		{Guest: metadataGuest, Host: metaLis.Addr().String()},
+		{Guest: metadataGuest, Host: metaAddr},
 		{Guest: netip.AddrPortFrom(joinGuestAddr, uint16(joinPort)), Host: joinLis.Addr().String()},
 	}
 	return h
@@ -350,14 +343,6 @@ func packer(t *testing.T, repo string, args ...string) ([]byte, error) {
 	cmd := exec.Command("packer", args...)
 	cmd.Dir = filepath.Join(repo, "examples", "packer")
 	return cmd.CombinedOutput()
-}
-
-func repoRoot(t *testing.T) string {
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("cannot locate this source file")
-	}
-	return filepath.Join(filepath.Dir(file), "..", "..", "..")
 }
 
 // stages times the test's stages and prints them together at the end.

@@ -110,14 +110,7 @@ func New(t testing.TB, opts ...Option) *Lab {
 			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
 	}
 	l.Meta = metadata.NewServer(l.document(), slog.New(slog.DiscardHandler))
-	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.MetaURL = "http://" + metaLis.Addr().String()
-	hs := &http.Server{Handler: l.Meta, ReadHeaderTimeout: 5 * time.Second}
-	go hs.Serve(metaLis)
-	t.Cleanup(func() { hs.Close() })
+	l.MetaURL = "http://" + ServeMetadata(t, l.Meta)
 
 	cfg := joinservice.Config{
 		Verifier:          attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
@@ -150,6 +143,19 @@ func New(t testing.TB, opts ...Option) *Lab {
 	go srv.Serve(joinLis)
 	t.Cleanup(srv.Stop)
 	return l
+}
+
+// ServeMetadata serves meta on a loopback port until the test ends and returns its host:port.
+func ServeMetadata(t testing.TB, meta *metadata.Server) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: meta, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Close() })
+	return lis.Addr().String()
 }
 
 // ServerCert issues a join-service certificate for 127.0.0.1 from ca, chain included.

@@ -19,6 +19,7 @@ import (
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
@@ -272,7 +273,7 @@ func buildFailpointAgent(t *testing.T) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "berth-agent-failpoint")
 	cmd := exec.Command("go", "build", "-tags", "failpoint", "-o", bin, "./nodeagent/cmd/berth-agent")
-	cmd.Dir = repoRoot(t)
+	cmd.Dir = repotest.Root(t)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building berth-agent with failpoints: %v\n%s", err, out)
 	}

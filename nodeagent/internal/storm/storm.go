@@ -18,13 +18,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,6 +38,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubetest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/tpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
@@ -93,14 +92,7 @@ func NewHost(t testing.TB, tpms int) *Host {
 			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
 	}
 	h.meta = metadata.NewServer(h.document(), slog.New(slog.DiscardHandler))
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.MetaURL = "http://" + lis.Addr().String()
-	srv := &http.Server{Handler: h.meta, ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(lis)
-	t.Cleanup(func() { srv.Close() })
+	h.MetaURL = "http://" + joinlab.ServeMetadata(t, h.meta)
 
 	var wg sync.WaitGroup
 	h.provers = make([]*attest.Prover, tpms)
@@ -439,20 +431,11 @@ func peakRSS(pid int) int64 {
 	return 0
 }
 
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("cannot locate this source file")
-	}
-	return filepath.Join(filepath.Dir(file), "..", "..", "..")
-}
-
 func buildAgent(t testing.TB, dir string) string {
 	t.Helper()
 	bin := filepath.Join(dir, "berth-agent")
 	cmd := exec.Command("go", "build", "-o", bin, "./nodeagent/cmd/berth-agent")
-	cmd.Dir = repoRoot(t)
+	cmd.Dir = repotest.Root(t)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building berth-agent: %v\n%s", err, out)
 	}
