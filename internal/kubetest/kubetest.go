@@ -1,14 +1,23 @@
 // Package kubetest runs a real etcd and kube-apiserver on loopback for tests, from the binaries that
-// scripts/build-k8s.sh builds from Kubernetes' own Go modules, and hands out an admin kubeconfig.
+// scripts/build-k8s.sh builds from Kubernetes' own Go modules, and hands out kubeconfigs for the admin
+// and for any other identity the cluster CA certifies.
+//
+// The API server authorizes with Node,RBAC and admits with NodeRestriction, as a production control
+// plane does, so that it can serve as an external control plane (not made by kubeadm) for a real kubelet:
+// the kubelet's certificate (CN system:node:<name>, O system:nodes) lets it register its own Node and no
+// other. With Options.ControllerManager it also runs kube-controller-manager, without a cluster-signing
+// key, since in the setup modelled the CA key lives in a separate signer.
 package kubetest
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +25,7 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -24,10 +34,28 @@ import (
 	"github.com/berthlabs/berth/internal/repotest"
 )
 
+// startTimeout bounds how long a server may take to become ready; generous, as the machine is shared.
+const startTimeout = 2 * time.Minute
+
+var loopback = netip.AddrFrom4([4]byte{127, 0, 0, 1})
+
+// Options changes what StartWith runs; the zero value is what Start runs.
+type Options struct {
+	// Address is the IPv4 address kube-apiserver binds to, advertises and names in its serving
+	// certificate (besides 127.0.0.1 and localhost); 127.0.0.1 when not set. etcd stays on 127.0.0.1.
+	Address netip.Addr
+	// CA, key included, is the cluster CA instead of a fresh one: it issues the serving, admin and client
+	// certificates, and the API server accepts client certificates it signed.
+	CA *pki.CA
+	// ControllerManager also runs kube-controller-manager and waits until its controllers run.
+	ControllerManager bool
+}
+
 // APIServer is a running API server with its etcd.
 type APIServer struct {
-	URL        string
-	Kubeconfig []byte // admin (system:masters)
+	URL        string     // https://<Address>:<port>
+	Address    netip.Addr // the address kube-apiserver binds to and advertises
+	Kubeconfig []byte     // admin (system:masters)
 	Client     kubernetes.Interface
 	// CA is the cluster's CA, key included, for tests that issue certificates as a control plane does.
 	CA *pki.CA
@@ -40,15 +68,33 @@ type APIServer struct {
 // Start runs etcd and kube-apiserver until the test ends.
 func Start(t testing.TB) *APIServer {
 	t.Helper()
+	return StartWith(t, Options{})
+}
+
+// StartWith runs etcd, kube-apiserver and, if asked, kube-controller-manager until the test ends.
+func StartWith(t testing.TB, o Options) *APIServer {
+	t.Helper()
+	addr := o.Address
+	if !addr.IsValid() {
+		addr = loopback
+	}
+	if !addr.Is4() {
+		t.Fatalf("kubetest: address %s is not IPv4 (the service range is 10.96.0.0/16)", addr)
+	}
+	now := time.Now()
+	ca := o.CA
+	if ca == nil {
+		var err error
+		if ca, err = pki.NewCA("kubetest-ca", now, 24*time.Hour); err != nil {
+			t.Fatal(err)
+		}
+	} else if ca.Cert == nil || ca.Key == nil {
+		t.Fatal("kubetest: Options.CA needs both its certificate and its key")
+	}
+
 	bin := kubeBin(t)
 	dir := t.TempDir()
-	etcdClient, etcdPeer, apiPort := FreePort(t), FreePort(t), FreePort(t)
-
-	now := time.Now()
-	ca, err := pki.NewCA("kubetest-ca", now, 24*time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
+	etcdClient, etcdPeer, apiPort := FreePort(t), FreePort(t), freePort(t, addr)
 	write := func(name string, data []byte) string {
 		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, data, 0o600); err != nil {
@@ -56,11 +102,12 @@ func Start(t testing.TB) *APIServer {
 		}
 		return p
 	}
+	ips := []net.IP{net.IPv4(127, 0, 0, 1)}
+	if addr != loopback {
+		ips = append(ips, net.IP(addr.AsSlice()))
+	}
 	serving, servingKey := issue(t, ca, func(key any) (*x509.Certificate, error) {
-		return ca.IssueServer(key, []string{"localhost"}, []net.IP{net.IPv4(127, 0, 0, 1)}, now, time.Hour)
-	})
-	admin, adminKey := issue(t, ca, func(key any) (*x509.Certificate, error) {
-		return ca.IssueClient(pki.ClientTemplate{CommonName: "kubetest-admin", Organization: []string{"system:masters"}}, key, now, time.Hour)
+		return ca.IssueServer(key, []string{"localhost"}, ips, now, time.Hour)
 	})
 	saKey, err := pki.NewKey()
 	if err != nil {
@@ -74,6 +121,7 @@ func Start(t testing.TB) *APIServer {
 	if err != nil {
 		t.Fatal(err)
 	}
+	caFile, saKeyFile := write("ca.crt", ca.CertPEM()), write("sa.key", saKeyPEM)
 
 	start(t, dir, "etcd", filepath.Join(bin, "etcd"),
 		"--data-dir", filepath.Join(dir, "etcd"), "--name", "kubetest",
@@ -84,22 +132,27 @@ func Start(t testing.TB) *APIServer {
 		"--initial-cluster", fmt.Sprintf("kubetest=http://127.0.0.1:%d", etcdPeer))
 	apiserver := start(t, dir, "kube-apiserver", filepath.Join(bin, "kube-apiserver"),
 		"--etcd-servers", fmt.Sprintf("http://127.0.0.1:%d", etcdClient),
-		"--bind-address", "127.0.0.1", "--secure-port", fmt.Sprint(apiPort),
+		"--bind-address", addr.String(), "--advertise-address", addr.String(), "--secure-port", fmt.Sprint(apiPort),
 		"--tls-cert-file", write("serving.crt", pki.EncodeCertPEM(serving)), "--tls-private-key-file", write("serving.key", servingKey),
-		"--client-ca-file", write("ca.crt", ca.CertPEM()),
+		"--client-ca-file", caFile,
 		"--service-account-issuer", "https://kubernetes.default.svc",
 		"--service-account-key-file", write("sa.pub", pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: saPub})),
-		"--service-account-signing-key-file", write("sa.key", saKeyPEM),
-		"--service-cluster-ip-range", "10.96.0.0/16", "--authorization-mode", "RBAC",
+		"--service-account-signing-key-file", saKeyFile,
+		"--service-cluster-ip-range", "10.96.0.0/16",
+		"--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
 		"--cert-dir", filepath.Join(dir, "apiserver-certs"))
 
-	s := &APIServer{URL: fmt.Sprintf("https://127.0.0.1:%d", apiPort), CA: ca, t: t, apiserver: apiserver}
-	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: s.URL, CertificateAuthorityData: ca.CertPEM()}
-	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: pki.EncodeCertPEM(admin), ClientKeyData: adminKey}
-	cfg.Contexts["kubetest"] = &clientcmdapi.Context{Cluster: "kubetest", AuthInfo: "admin"}
-	cfg.CurrentContext = "kubetest"
-	if s.Kubeconfig, err = clientcmd.Write(*cfg); err != nil {
+	s := &APIServer{
+		URL:       "https://" + netip.AddrPortFrom(addr, uint16(apiPort)).String(),
+		Address:   addr,
+		CA:        ca,
+		t:         t,
+		apiserver: apiserver,
+	}
+	admin, adminKey := issue(t, ca, func(key any) (*x509.Certificate, error) {
+		return ca.IssueClient(pki.ClientTemplate{CommonName: "kubetest-admin", Organization: []string{"system:masters"}}, key, now, time.Hour)
+	})
+	if s.Kubeconfig, err = kubeconfig(s.URL, ca, "admin", pki.EncodeCertPEM(admin), adminKey); err != nil {
 		t.Fatal(err)
 	}
 	rc, err := clientcmd.RESTConfigFromKubeConfig(s.Kubeconfig)
@@ -109,9 +162,54 @@ func Start(t testing.TB) *APIServer {
 	if s.Client, err = kubernetes.NewForConfig(rc); err != nil {
 		t.Fatal(err)
 	}
-	s.ready = func() { waitReady(t, s.URL, ca.Cert, pki.EncodeCertPEM(admin), adminKey, dir) }
+	readyz := readyzProbe(t, s.URL, ca.Cert, pki.EncodeCertPEM(admin), adminKey)
+	s.ready = func() { waitUntil(t, s.apiserver, "kube-apiserver ready at "+s.URL, readyz) }
 	s.ready()
+
+	if o.ControllerManager {
+		s.startControllerManager(t, bin, dir, write, caFile, saKeyFile)
+	}
 	return s
+}
+
+// startControllerManager runs kube-controller-manager with the default controllers and waits until
+// they run. It gets the service-account signing key (for the legacy token controller) but no cluster
+// signing key, so it signs no CSR.
+func (s *APIServer) startControllerManager(t testing.TB, bin, dir string, write func(string, []byte) string, caFile, saKeyFile string) {
+	t.Helper()
+	kcm := start(t, dir, "kube-controller-manager", filepath.Join(bin, "kube-controller-manager"),
+		"--kubeconfig", write("controller-manager.kubeconfig", s.ClientKubeconfig(t, "system:kube-controller-manager")),
+		"--service-account-private-key-file", saKeyFile,
+		"--use-service-account-credentials",
+		"--root-ca-file", caFile,
+		"--leader-elect=false",
+		"--bind-address", "127.0.0.1", "--secure-port", fmt.Sprint(FreePort(t)))
+	// The serviceaccount controller makes "default" in each namespace, the root-ca publisher puts
+	// kube-root-ca.crt in each: both there means the controllers run, not just the process.
+	waitUntil(t, kcm, "kube-controller-manager running its controllers", func() (bool, error) {
+		ctx := context.Background()
+		if _, err := s.Client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{}); err != nil {
+			return false, err
+		}
+		if _, err := s.Client.CoreV1().ConfigMaps("default").Get(ctx, "kube-root-ca.crt", metav1.GetOptions{}); err != nil {
+			return false, err
+		}
+		return true, nil
+	})
+}
+
+// ClientKubeconfig is a kubeconfig for user in groups, with a client certificate the cluster CA issues
+// for an hour, for tests that run a component with only the rights it has in production.
+func (s *APIServer) ClientKubeconfig(t testing.TB, user string, groups ...string) []byte {
+	t.Helper()
+	cert, key := issue(t, s.CA, func(pub any) (*x509.Certificate, error) {
+		return s.CA.IssueClient(pki.ClientTemplate{CommonName: user, Organization: groups}, pub, time.Now(), time.Hour)
+	})
+	kc, err := kubeconfig(s.URL, s.CA, user, pki.EncodeCertPEM(cert), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kc
 }
 
 // RestartAPIServer kills kube-apiserver (SIGKILL, as a crash would), starts it again on the same etcd and
@@ -121,6 +219,19 @@ func (s *APIServer) RestartAPIServer() {
 	s.apiserver.kill()
 	s.apiserver.run(s.t)
 	s.ready()
+}
+
+func kubeconfig(server string, ca *pki.CA, user string, certPEM, keyPEM []byte) ([]byte, error) {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: ca.CertPEM()}
+	cfg.AuthInfos[user] = &clientcmdapi.AuthInfo{ClientCertificateData: certPEM, ClientKeyData: keyPEM}
+	cfg.Contexts["kubetest"] = &clientcmdapi.Context{Cluster: "kubetest", AuthInfo: user}
+	cfg.CurrentContext = "kubetest"
+	kc, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, fmt.Errorf("writing kubeconfig for %q: %w", user, err)
+	}
+	return kc, nil
 }
 
 func issue(t testing.TB, ca *pki.CA, sign func(key any) (*x509.Certificate, error)) (*x509.Certificate, []byte) {
@@ -145,11 +256,12 @@ type process struct {
 	name, bin, log string
 	args           []string
 	cmd            *exec.Cmd
-	logFile        *os.File
+	exited         chan struct{} // closed once the process has exited and its log is closed
 }
 
-// start runs a server process; it is stopped when the test ends, in reverse order of starting, so the API
-// server stops before etcd (the other way round it waits 30 s).
+// start runs a server process; it is stopped when the test ends, in reverse order of starting, so the
+// controller manager stops before the API server and the API server before etcd (the other way round it
+// waits 30 s).
 func start(t testing.TB, dir, name, bin string, args ...string) *process {
 	t.Helper()
 	p := &process{name: name, bin: bin, args: args, log: filepath.Join(dir, name+".log")}
@@ -170,7 +282,13 @@ func (p *process) run(t testing.TB) {
 		log.Close()
 		t.Fatalf("starting %s: %v", p.name, err)
 	}
-	p.cmd, p.logFile = cmd, log
+	exited := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		log.Close()
+		close(exited)
+	}()
+	p.cmd, p.exited = cmd, exited
 }
 
 func (p *process) kill() {
@@ -178,12 +296,44 @@ func (p *process) kill() {
 		return
 	}
 	p.cmd.Process.Kill()
-	p.cmd.Wait()
-	p.logFile.Close()
+	<-p.exited
 	p.cmd = nil
 }
 
-func waitReady(t testing.TB, url string, ca *x509.Certificate, certPEM, keyPEM []byte, dir string) {
+// tail is the end of the process's log, for failure messages.
+func (p *process) tail() string {
+	out, err := os.ReadFile(p.log)
+	if err != nil {
+		return fmt.Sprintf("(no log: %v)", err)
+	}
+	lines := strings.Split(strings.TrimRight(string(out), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-30):], "\n")
+}
+
+// waitUntil polls done until it reports true; it fails the test with the tail of p's log if p exits
+// first or startTimeout passes.
+func waitUntil(t testing.TB, p *process, what string, done func() (bool, error)) {
+	t.Helper()
+	deadline := time.Now().Add(startTimeout)
+	for {
+		ok, err := done()
+		if ok {
+			return
+		}
+		select {
+		case <-p.exited:
+			t.Fatalf("waiting for %s: %s exited (%v); last error: %v\n%s", what, p.name, p.cmd.ProcessState, err, p.tail())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: not after %s; last error: %v\n%s", what, startTimeout, err, p.tail())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// readyzProbe reports whether the API server at url answers /readyz with 200 to the admin.
+func readyzProbe(t testing.TB, url string, ca *x509.Certificate, certPEM, keyPEM []byte) func() (bool, error) {
 	t.Helper()
 	pair, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
@@ -193,28 +343,28 @@ func waitReady(t testing.TB, url string, ca *x509.Certificate, certPEM, keyPEM [
 	roots.AddCert(ca)
 	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 		TLSClientConfig: &tls.Config{RootCAs: roots, Certificates: []tls.Certificate{pair}}}}
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	return func() (bool, error) {
 		resp, err := client.Get(url + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
+		if err != nil {
+			return false, err
 		}
-		if time.Now().After(deadline) {
-			tail, _ := os.ReadFile(filepath.Join(dir, "kube-apiserver.log"))
-			lines := strings.Split(string(tail), "\n")
-			t.Fatalf("kube-apiserver not ready at %s: %v\n%s", url, err, strings.Join(lines[max(0, len(lines)-20):], "\n"))
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return false, fmt.Errorf("/readyz: %s", resp.Status)
 		}
-		time.Sleep(200 * time.Millisecond)
+		return true, nil
 	}
 }
 
 // FreePort is a TCP port free on 127.0.0.1 now, for a server the test starts next.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	return freePort(t, loopback)
+}
+
+func freePort(t testing.TB, addr netip.Addr) int {
+	t.Helper()
+	l, err := net.Listen("tcp", netip.AddrPortFrom(addr, 0).String())
 	if err != nil {
 		t.Fatal(err)
 	}

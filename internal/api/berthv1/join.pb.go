@@ -21,6 +21,59 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type JoinMethod int32
+
+const (
+	// A ticket without a method is refused: the node cannot know what to do with it.
+	JoinMethod_JOIN_METHOD_UNSPECIFIED JoinMethod = 0
+	// kubeadm join with the ticket's bootstrap token: clusters whose control plane kubeadm made.
+	JoinMethod_JOIN_METHOD_KUBEADM JoinMethod = 1
+	// No kubeadm: the node writes the kubelet's kubeconfig (the ticket's endpoint, CA and client certificate)
+	// and configuration itself and starts the kubelet. For external control planes; no bootstrap token.
+	JoinMethod_JOIN_METHOD_KUBELET JoinMethod = 2
+)
+
+// Enum value maps for JoinMethod.
+var (
+	JoinMethod_name = map[int32]string{
+		0: "JOIN_METHOD_UNSPECIFIED",
+		1: "JOIN_METHOD_KUBEADM",
+		2: "JOIN_METHOD_KUBELET",
+	}
+	JoinMethod_value = map[string]int32{
+		"JOIN_METHOD_UNSPECIFIED": 0,
+		"JOIN_METHOD_KUBEADM":     1,
+		"JOIN_METHOD_KUBELET":     2,
+	}
+)
+
+func (x JoinMethod) Enum() *JoinMethod {
+	p := new(JoinMethod)
+	*p = x
+	return p
+}
+
+func (x JoinMethod) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (JoinMethod) Descriptor() protoreflect.EnumDescriptor {
+	return file_internal_api_berthv1_join_proto_enumTypes[0].Descriptor()
+}
+
+func (JoinMethod) Type() protoreflect.EnumType {
+	return &file_internal_api_berthv1_join_proto_enumTypes[0]
+}
+
+func (x JoinMethod) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use JoinMethod.Descriptor instead.
+func (JoinMethod) EnumDescriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{0}
+}
+
 type JoinClientMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -350,10 +403,10 @@ type JoinTicket struct {
 	MeasurementSecret []byte `protobuf:"bytes,4,opt,name=measurement_secret,json=measurementSecret,proto3" json:"measurement_secret,omitempty"`
 	// host:port of the Kubernetes API server.
 	ApiServerEndpoint string `protobuf:"bytes,5,opt,name=api_server_endpoint,json=apiServerEndpoint,proto3" json:"api_server_endpoint,omitempty"`
-	// kubeadm bootstrap token "id.secret"; it expires minutes after issue.
+	// kubeadm bootstrap token "id.secret"; it expires minutes after issue. Only for JOIN_METHOD_KUBEADM.
 	BootstrapToken            string `protobuf:"bytes,6,opt,name=bootstrap_token,json=bootstrapToken,proto3" json:"bootstrap_token,omitempty"`
 	BootstrapTokenExpiresUnix int64  `protobuf:"varint,7,opt,name=bootstrap_token_expires_unix,json=bootstrapTokenExpiresUnix,proto3" json:"bootstrap_token_expires_unix,omitempty"`
-	// "sha256:<hex>" pins of the Kubernetes CA, for kubeadm discovery.
+	// "sha256:<hex>" pins of the Kubernetes CA, for kubeadm discovery. Only for JOIN_METHOD_KUBEADM.
 	DiscoveryCaCertHashes []string `protobuf:"bytes,8,rep,name=discovery_ca_cert_hashes,json=discoveryCaCertHashes,proto3" json:"discovery_ca_cert_hashes,omitempty"`
 	// DER kubelet client certificate issued for the request's CSR and the Kubernetes CA that signed it.
 	KubeletCertificate      []byte `protobuf:"bytes,9,opt,name=kubelet_certificate,json=kubeletCertificate,proto3" json:"kubelet_certificate,omitempty"`
@@ -364,8 +417,12 @@ type JoinTicket struct {
 	ControlPlaneFiles []*File `protobuf:"bytes,12,rep,name=control_plane_files,json=controlPlaneFiles,proto3" json:"control_plane_files,omitempty"`
 	// Only for control-plane nodes: what their own join service needs to serve joins.
 	ClusterSecrets *ClusterSecrets `protobuf:"bytes,13,opt,name=cluster_secrets,json=clusterSecrets,proto3" json:"cluster_secrets,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// How the node becomes a member with this ticket.
+	JoinMethod JoinMethod `protobuf:"varint,14,opt,name=join_method,json=joinMethod,proto3,enum=berth.v1.JoinMethod" json:"join_method,omitempty"`
+	// The cluster's kubelet settings, for JOIN_METHOD_KUBELET (kubeadm join reads them from the cluster).
+	KubeletSettings *KubeletSettings `protobuf:"bytes,15,opt,name=kubelet_settings,json=kubeletSettings,proto3" json:"kubelet_settings,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *JoinTicket) Reset() {
@@ -489,6 +546,76 @@ func (x *JoinTicket) GetClusterSecrets() *ClusterSecrets {
 	return nil
 }
 
+func (x *JoinTicket) GetJoinMethod() JoinMethod {
+	if x != nil {
+		return x.JoinMethod
+	}
+	return JoinMethod_JOIN_METHOD_UNSPECIFIED
+}
+
+func (x *JoinTicket) GetKubeletSettings() *KubeletSettings {
+	if x != nil {
+		return x.KubeletSettings
+	}
+	return nil
+}
+
+// KubeletSettings are what every kubelet of the cluster shares; this node's own settings (cgroup driver,
+// container runtime) come from its image.
+type KubeletSettings struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// IPs of the cluster's DNS service.
+	ClusterDns []string `protobuf:"bytes,1,rep,name=cluster_dns,json=clusterDns,proto3" json:"cluster_dns,omitempty"`
+	// The cluster's DNS domain, such as cluster.local.
+	ClusterDomain string `protobuf:"bytes,2,opt,name=cluster_domain,json=clusterDomain,proto3" json:"cluster_domain,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KubeletSettings) Reset() {
+	*x = KubeletSettings{}
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KubeletSettings) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KubeletSettings) ProtoMessage() {}
+
+func (x *KubeletSettings) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KubeletSettings.ProtoReflect.Descriptor instead.
+func (*KubeletSettings) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *KubeletSettings) GetClusterDns() []string {
+	if x != nil {
+		return x.ClusterDns
+	}
+	return nil
+}
+
+func (x *KubeletSettings) GetClusterDomain() string {
+	if x != nil {
+		return x.ClusterDomain
+	}
+	return ""
+}
+
 // ClusterSecrets are the roots of the cluster's keys and the join CA, for control-plane nodes.
 type ClusterSecrets struct {
 	state        protoimpl.MessageState `protogen:"open.v1"`
@@ -503,7 +630,7 @@ type ClusterSecrets struct {
 
 func (x *ClusterSecrets) Reset() {
 	*x = ClusterSecrets{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -515,7 +642,7 @@ func (x *ClusterSecrets) String() string {
 func (*ClusterSecrets) ProtoMessage() {}
 
 func (x *ClusterSecrets) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -528,7 +655,7 @@ func (x *ClusterSecrets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterSecrets.ProtoReflect.Descriptor instead.
 func (*ClusterSecrets) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ClusterSecrets) GetMasterSecret() []byte {
@@ -570,7 +697,7 @@ type RejoinTicket struct {
 
 func (x *RejoinTicket) Reset() {
 	*x = RejoinTicket{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -582,7 +709,7 @@ func (x *RejoinTicket) String() string {
 func (*RejoinTicket) ProtoMessage() {}
 
 func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -595,7 +722,7 @@ func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RejoinTicket.ProtoReflect.Descriptor instead.
 func (*RejoinTicket) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RejoinTicket) GetClusterId() string {
@@ -630,7 +757,7 @@ type File struct {
 
 func (x *File) Reset() {
 	*x = File{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -642,7 +769,7 @@ func (x *File) String() string {
 func (*File) ProtoMessage() {}
 
 func (x *File) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -655,7 +782,7 @@ func (x *File) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use File.ProtoReflect.Descriptor instead.
 func (*File) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{7}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *File) GetPath() string {
@@ -703,7 +830,7 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
-	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\x84\x05\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\x81\x06\n" +
 	"\n" +
 	"JoinTicket\x12\x1b\n" +
 	"\tnode_name\x18\x01 \x01(\tR\bnodeName\x12\x1d\n" +
@@ -720,7 +847,14 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	" \x01(\fR\x17kubernetesCaCertificate\x12-\n" +
 	"\x12kubernetes_version\x18\v \x01(\tR\x11kubernetesVersion\x12>\n" +
 	"\x13control_plane_files\x18\f \x03(\v2\x0e.berth.v1.FileR\x11controlPlaneFiles\x12A\n" +
-	"\x0fcluster_secrets\x18\r \x01(\v2\x18.berth.v1.ClusterSecretsR\x0eclusterSecrets\"\x99\x01\n" +
+	"\x0fcluster_secrets\x18\r \x01(\v2\x18.berth.v1.ClusterSecretsR\x0eclusterSecrets\x125\n" +
+	"\vjoin_method\x18\x0e \x01(\x0e2\x14.berth.v1.JoinMethodR\n" +
+	"joinMethod\x12D\n" +
+	"\x10kubelet_settings\x18\x0f \x01(\v2\x19.berth.v1.KubeletSettingsR\x0fkubeletSettings\"Y\n" +
+	"\x0fKubeletSettings\x12\x1f\n" +
+	"\vcluster_dns\x18\x01 \x03(\tR\n" +
+	"clusterDns\x12%\n" +
+	"\x0ecluster_domain\x18\x02 \x01(\tR\rclusterDomain\"\x99\x01\n" +
 	"\x0eClusterSecrets\x12#\n" +
 	"\rmaster_secret\x18\x01 \x01(\fR\fmasterSecret\x12\x12\n" +
 	"\x04salt\x18\x02 \x01(\fR\x04salt\x12.\n" +
@@ -734,7 +868,12 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x04File\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\fR\acontent\x12\x12\n" +
-	"\x04mode\x18\x03 \x01(\rR\x04mode2\xb1\x01\n" +
+	"\x04mode\x18\x03 \x01(\rR\x04mode*[\n" +
+	"\n" +
+	"JoinMethod\x12\x1b\n" +
+	"\x17JOIN_METHOD_UNSPECIFIED\x10\x00\x12\x17\n" +
+	"\x13JOIN_METHOD_KUBEADM\x10\x01\x12\x17\n" +
+	"\x13JOIN_METHOD_KUBELET\x10\x022\xb1\x01\n" +
 	"\vJoinService\x12O\n" +
 	"\x0fIssueJoinTicket\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01\x12Q\n" +
 	"\x11IssueRejoinTicket\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01B1Z/github.com/berthlabs/berth/internal/api/berthv1b\x06proto3"
@@ -751,40 +890,45 @@ func file_internal_api_berthv1_join_proto_rawDescGZIP() []byte {
 	return file_internal_api_berthv1_join_proto_rawDescData
 }
 
-var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_internal_api_berthv1_join_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_internal_api_berthv1_join_proto_goTypes = []any{
-	(*JoinClientMessage)(nil),   // 0: berth.v1.JoinClientMessage
-	(*JoinServerMessage)(nil),   // 1: berth.v1.JoinServerMessage
-	(*JoinRequest)(nil),         // 2: berth.v1.JoinRequest
-	(*RejoinRequest)(nil),       // 3: berth.v1.RejoinRequest
-	(*JoinTicket)(nil),          // 4: berth.v1.JoinTicket
-	(*ClusterSecrets)(nil),      // 5: berth.v1.ClusterSecrets
-	(*RejoinTicket)(nil),        // 6: berth.v1.RejoinTicket
-	(*File)(nil),                // 7: berth.v1.File
-	(*ActivationProof)(nil),     // 8: berth.v1.ActivationProof
-	(*ActivationChallenge)(nil), // 9: berth.v1.ActivationChallenge
-	(*Evidence)(nil),            // 10: berth.v1.Evidence
+	(JoinMethod)(0),             // 0: berth.v1.JoinMethod
+	(*JoinClientMessage)(nil),   // 1: berth.v1.JoinClientMessage
+	(*JoinServerMessage)(nil),   // 2: berth.v1.JoinServerMessage
+	(*JoinRequest)(nil),         // 3: berth.v1.JoinRequest
+	(*RejoinRequest)(nil),       // 4: berth.v1.RejoinRequest
+	(*JoinTicket)(nil),          // 5: berth.v1.JoinTicket
+	(*KubeletSettings)(nil),     // 6: berth.v1.KubeletSettings
+	(*ClusterSecrets)(nil),      // 7: berth.v1.ClusterSecrets
+	(*RejoinTicket)(nil),        // 8: berth.v1.RejoinTicket
+	(*File)(nil),                // 9: berth.v1.File
+	(*ActivationProof)(nil),     // 10: berth.v1.ActivationProof
+	(*ActivationChallenge)(nil), // 11: berth.v1.ActivationChallenge
+	(*Evidence)(nil),            // 12: berth.v1.Evidence
 }
 var file_internal_api_berthv1_join_proto_depIdxs = []int32{
-	2,  // 0: berth.v1.JoinClientMessage.join:type_name -> berth.v1.JoinRequest
-	3,  // 1: berth.v1.JoinClientMessage.rejoin:type_name -> berth.v1.RejoinRequest
-	8,  // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
-	9,  // 3: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
-	4,  // 4: berth.v1.JoinServerMessage.join_ticket:type_name -> berth.v1.JoinTicket
-	6,  // 5: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
-	10, // 6: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
-	10, // 7: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
-	7,  // 8: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
-	5,  // 9: berth.v1.JoinTicket.cluster_secrets:type_name -> berth.v1.ClusterSecrets
-	0,  // 10: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
-	0,  // 11: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
-	1,  // 12: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
-	1,  // 13: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
-	12, // [12:14] is the sub-list for method output_type
-	10, // [10:12] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	3,  // 0: berth.v1.JoinClientMessage.join:type_name -> berth.v1.JoinRequest
+	4,  // 1: berth.v1.JoinClientMessage.rejoin:type_name -> berth.v1.RejoinRequest
+	10, // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
+	11, // 3: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
+	5,  // 4: berth.v1.JoinServerMessage.join_ticket:type_name -> berth.v1.JoinTicket
+	8,  // 5: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
+	12, // 6: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
+	12, // 7: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
+	9,  // 8: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
+	7,  // 9: berth.v1.JoinTicket.cluster_secrets:type_name -> berth.v1.ClusterSecrets
+	0,  // 10: berth.v1.JoinTicket.join_method:type_name -> berth.v1.JoinMethod
+	6,  // 11: berth.v1.JoinTicket.kubelet_settings:type_name -> berth.v1.KubeletSettings
+	1,  // 12: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
+	1,  // 13: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
+	2,  // 14: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
+	2,  // 15: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
+	14, // [14:16] is the sub-list for method output_type
+	12, // [12:14] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_internal_api_berthv1_join_proto_init() }
@@ -808,13 +952,14 @@ func file_internal_api_berthv1_join_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_api_berthv1_join_proto_rawDesc), len(file_internal_api_berthv1_join_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   8,
+			NumEnums:      1,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_internal_api_berthv1_join_proto_goTypes,
 		DependencyIndexes: file_internal_api_berthv1_join_proto_depIdxs,
+		EnumInfos:         file_internal_api_berthv1_join_proto_enumTypes,
 		MessageInfos:      file_internal_api_berthv1_join_proto_msgTypes,
 	}.Build()
 	File_internal_api_berthv1_join_proto = out.File

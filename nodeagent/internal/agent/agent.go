@@ -196,10 +196,11 @@ func (a *Agent) Boot(ctx context.Context) error {
 		switch {
 		case errors.Is(err, nodestate.ErrNoState):
 			// An earlier boot keyed the disk and died before the join finished. The disk is this TPM's (the
-			// service checked), so the node clears kubeadm's half-written files and joins again.
-			log.Warn("the state disk was keyed but the node never finished joining; resetting kubeadm and joining again")
-			if err := a.deps.Kubeadm.Reset(ctx, func(line string) { log.Info("kubeadm", "line", line) }); err != nil {
-				return fmt.Errorf("resetting an interrupted join: %w", err)
+			// service checked), so the node joins again; the join client clears what the kubeadm method
+			// half-wrote, and the kubelet waits for the new join's configuration.
+			log.Warn("the state disk was keyed but the node never finished joining; joining again")
+			if err := kubelet.RemoveStartFiles(a.cfg.Paths); err != nil {
+				return err
 			}
 			startKubelet()
 			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
@@ -324,6 +325,7 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 	return joinclient.New(joinclient.Config{
 		Metadata: a.meta, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
 		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
+		Kubelet:     kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
 		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
 		Backoff: backoff.Policy{Max: a.cfg.RetryMax.Duration}, Logger: log.With("component", "join-client"),
 	})

@@ -87,7 +87,8 @@ type KubeletConfig struct {
 	Binary string `json:"binary,omitempty"`
 	// ExtraArgs are this node's own kubelet flags, without the leading dashes.
 	ExtraArgs map[string]string `json:"extraArgs,omitempty"`
-	// CgroupDriver and AllowCgroupV1 go to the cluster's kubelet configuration when this node initializes it.
+	// CgroupDriver and AllowCgroupV1 go to the cluster's kubelet configuration when this node initializes it,
+	// and to this node's own when it joins an external control plane (without kubeadm).
 	CgroupDriver  string `json:"cgroupDriver,omitempty"`
 	AllowCgroupV1 bool   `json:"allowCgroupV1,omitempty"`
 }

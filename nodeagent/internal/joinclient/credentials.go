@@ -48,11 +48,13 @@ func KubeletCertPath(p nodestate.Paths) string {
 	return filepath.Join(p.KubeletDir, "pki", "kubelet-client-current.pem")
 }
 
-// writeCredentials puts the ticket's material where kubeadm and the kubelet expect it and returns the path
-// of the kubeadm join configuration. The kubelet's kubeconfig is written with the certificate the join
-// service issued, so the kubelet starts with an identity checked against the instance record instead of
-// bootstrapping one of its own choosing. Everything is checked before the first file is written.
-func writeCredentials(p nodestate.Paths, base kubeadm.JoinParams, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
+// writeCredentials puts the ticket's material where the kubelet (and, with the kubeadm method, kubeadm)
+// expects it and returns the path of the kubeadm join configuration, or "" when the ticket's method needs
+// no kubeadm. The kubelet's kubeconfig is written with the certificate the join service issued, so the
+// kubelet starts with an identity checked against the instance record instead of bootstrapping one of its
+// own choosing. Everything is checked and rendered before the first file is written.
+func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
+	p := cfg.Paths
 	caCert, err := x509.ParseCertificate(t.KubernetesCaCertificate)
 	if err != nil {
 		return "", fmt.Errorf("ticket's Kubernetes CA: %w", err)
@@ -74,16 +76,6 @@ func writeCredentials(p nodestate.Paths, base kubeadm.JoinParams, inst metadata.
 	}
 	if len(inst.Addresses) == 0 {
 		return "", errors.New("instance record has no address")
-	}
-	params := base
-	params.NodeName, params.NodeIP = t.NodeName, inst.Addresses[0]
-	params.APIServerEndpoint, params.Token, params.CACertHashes = t.ApiServerEndpoint, t.BootstrapToken, t.DiscoveryCaCertHashes
-	if inst.Role == metadata.RoleControlPlane {
-		params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
-	}
-	joinConfig, err := kubeadm.JoinConfig(params)
-	if err != nil {
-		return "", err
 	}
 	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
 	if err != nil {
@@ -107,18 +99,56 @@ func writeCredentials(p nodestate.Paths, base kubeadm.JoinParams, inst metadata.
 		data []byte
 		mode os.FileMode
 	}
-	files := make([]file, 0, len(t.ControlPlaneFiles)+4)
+	files := make([]file, 0, len(t.ControlPlaneFiles)+5)
 	for _, f := range t.ControlPlaneFiles {
 		files = append(files, file{filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode & 0o644)})
 	}
-	joinConfigPath := filepath.Join(p.State, "kubeadm-join.yaml")
-	// pki/ca.crt is not written for workers: kubeadm join writes it from discovery and refuses to find one.
 	files = append(files,
 		file{certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600},
 		file{filepath.Join(p.KubernetesDir, "kubelet.conf"), kubeconfigData, 0o600},
-		// The configuration holds the bootstrap token: it stays on the encrypted state disk, readable by root only.
-		file{joinConfigPath, joinConfig, 0o600},
 	)
+	joinConfigPath := ""
+	switch t.JoinMethod {
+	case berthv1.JoinMethod_JOIN_METHOD_KUBEADM:
+		params := cfg.KubeadmJoin
+		params.NodeName, params.NodeIP = t.NodeName, inst.Addresses[0]
+		params.APIServerEndpoint, params.Token, params.CACertHashes = t.ApiServerEndpoint, t.BootstrapToken, t.DiscoveryCaCertHashes
+		if inst.Role == metadata.RoleControlPlane {
+			params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
+		}
+		joinConfig, err := kubeadm.JoinConfig(params)
+		if err != nil {
+			return "", err
+		}
+		joinConfigPath = filepath.Join(p.State, "kubeadm-join.yaml")
+		// pki/ca.crt is not written for workers: kubeadm join writes it from discovery and refuses to find
+		// one. The configuration holds the bootstrap token: it stays on the encrypted state disk, readable
+		// by root only.
+		files = append(files, file{joinConfigPath, joinConfig, 0o600})
+	case berthv1.JoinMethod_JOIN_METHOD_KUBELET:
+		caPath := filepath.Join(p.PKIDir(), "ca.crt")
+		settings := t.KubeletSettings
+		if settings == nil {
+			settings = &berthv1.KubeletSettings{}
+		}
+		config, flags, err := kubeadm.KubeletFiles(kubeadm.KubeletParams{
+			NodeName: t.NodeName, NodeIP: inst.Addresses[0], ClientCAFile: caPath,
+			ClusterDNS: settings.ClusterDns, ClusterDomain: settings.ClusterDomain,
+			CRISocket: cfg.KubeadmJoin.CRISocket, Kubelet: cfg.Kubelet,
+		})
+		if err != nil {
+			return "", fmt.Errorf("kubelet configuration: %w", err)
+		}
+		// The kubelet starts once its configuration and flags exist (kubelet.Supervisor, or systemd's
+		// drop-in), so they come last, after the credentials they name.
+		files = append(files,
+			file{caPath, pki.EncodeCertPEM(caCert), 0o644},
+			file{filepath.Join(p.KubeletDir, "config.yaml"), config, 0o644},
+			file{filepath.Join(p.KubeletDir, "kubeadm-flags.env"), flags, 0o644},
+		)
+	default:
+		return "", fmt.Errorf("ticket's join method %v is not one this agent knows", t.JoinMethod)
+	}
 	for _, f := range files {
 		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
 			return "", err

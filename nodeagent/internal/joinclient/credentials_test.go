@@ -60,6 +60,7 @@ func ticketFor(t *testing.T, ca *pki.CA, inst metadata.Instance) (*berthv1.JoinT
 		KubeletCertificate:      cert.Raw,
 		KubernetesCaCertificate: ca.Cert.Raw,
 		KubernetesVersion:       "v1.36.3",
+		JoinMethod:              berthv1.JoinMethod_JOIN_METHOD_KUBEADM,
 	}, key
 }
 
@@ -86,7 +87,7 @@ func TestWriteCredentials(t *testing.T) {
 	p := testPaths(t)
 	ticket, key := ticketFor(t, ca, credInstance)
 
-	joinConfig, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
+	joinConfig, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,6 +156,67 @@ func TestWriteCredentials(t *testing.T) {
 	}
 }
 
+// TestWriteCredentialsKubeletMethod: a ticket for an external control plane gives the kubelet everything
+// kubeadm join would have written (kubeconfig, CA, configuration, flags) and no kubeadm configuration.
+func TestWriteCredentialsKubeletMethod(t *testing.T) {
+	ca := newKubeCA(t)
+	p := testPaths(t)
+	ticket, key := ticketFor(t, ca, credInstance)
+	ticket.JoinMethod = berthv1.JoinMethod_JOIN_METHOD_KUBELET
+	ticket.BootstrapToken, ticket.DiscoveryCaCertHashes = "", nil
+	ticket.KubeletSettings = &berthv1.KubeletSettings{ClusterDns: []string{"10.96.0.10"}, ClusterDomain: "cluster.local"}
+	cfg := &Config{Paths: p, Kubelet: kubeadm.KubeletSettings{CgroupDriver: "cgroupfs"}}
+
+	joinConfig, err := writeCredentials(cfg, credInstance, ticket, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if joinConfig != "" {
+		t.Errorf("join configuration %q written for a ticket without kubeadm", joinConfig)
+	}
+	if _, err := os.Stat(filepath.Join(p.State, "kubeadm-join.yaml")); err == nil {
+		t.Error("kubeadm-join.yaml exists")
+	}
+	caPEM, err := os.ReadFile(filepath.Join(p.PKIDir(), "ca.crt"))
+	if err != nil || !bytes.Equal(caPEM, pki.EncodeCertPEM(ca.Cert)) {
+		t.Errorf("pki/ca.crt: %v, want the ticket's CA", err)
+	}
+	if _, err := clientcmd.LoadFromFile(filepath.Join(p.KubernetesDir, "kubelet.conf")); err != nil {
+		t.Errorf("kubelet.conf: %v", err)
+	}
+	config, err := os.ReadFile(filepath.Join(p.KubeletDir, "config.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"kind: KubeletConfiguration", "clientCAFile: " + filepath.Join(p.PKIDir(), "ca.crt"),
+		"- 10.96.0.10", "clusterDomain: cluster.local", "cgroupDriver: cgroupfs"} {
+		if !strings.Contains(string(config), want) {
+			t.Errorf("config.yaml lacks %q:\n%s", want, config)
+		}
+	}
+	flags, err := os.ReadFile(filepath.Join(p.KubeletDir, "kubeadm-flags.env"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "KUBELET_KUBEADM_ARGS=\"--hostname-override=w-0 --node-ip=10.0.0.20\"\n"; string(flags) != want {
+		t.Errorf("kubeadm-flags.env = %q, want %q", flags, want)
+	}
+}
+
+func TestWriteCredentialsRefusesUnknownMethod(t *testing.T) {
+	ca := newKubeCA(t)
+	p := testPaths(t)
+	ticket, key := ticketFor(t, ca, credInstance)
+	ticket.JoinMethod = berthv1.JoinMethod_JOIN_METHOD_UNSPECIFIED
+	_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
+	if err == nil || !strings.Contains(err.Error(), "not one this agent knows") {
+		t.Fatalf("writeCredentials: %v, want the method refused", err)
+	}
+	if _, err := os.Stat(p.KubernetesDir); err == nil {
+		t.Error("files were written for a refused ticket")
+	}
+}
+
 func TestWriteCredentialsControlPlane(t *testing.T) {
 	ca := newKubeCA(t)
 	p := testPaths(t)
@@ -165,7 +227,7 @@ func TestWriteCredentialsControlPlane(t *testing.T) {
 		{Path: "etcd/ca.crt", Content: []byte("etcd ca"), Mode: 0o644},
 		{Path: "sa.pub", Content: []byte("sa pub"), Mode: 0o4777},
 	}
-	joinConfig, err := writeCredentials(p, kubeadm.JoinParams{}, inst, ticket, key)
+	joinConfig, err := writeCredentials(&Config{Paths: p}, inst, ticket, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,7 +256,7 @@ func TestWriteCredentialsRefusesNonLocalPaths(t *testing.T) {
 			p := testPaths(t)
 			ticket, key := ticketFor(t, ca, credInstance)
 			ticket.ControlPlaneFiles = []*berthv1.File{{Path: path, Content: []byte("attacker"), Mode: 0o644}}
-			_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
+			_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
 			if err == nil || !strings.Contains(err.Error(), "leaves the certificates directory") {
 				t.Fatalf("writeCredentials: %v, want the path refused", err)
 			}
@@ -215,7 +277,7 @@ func TestWriteCredentialsRefusesForeignKubeletCertificate(t *testing.T) {
 	forged, _ := ticketFor(t, other, credInstance)
 	ticket.KubeletCertificate = forged.KubeletCertificate
 
-	_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key)
+	_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
 	if err == nil || !strings.Contains(err.Error(), "not signed by its Kubernetes CA") {
 		t.Fatalf("writeCredentials: %v, want the kubelet certificate refused", err)
 	}
@@ -233,7 +295,7 @@ func TestWriteCredentialsRefusesCertificateForAnotherKey(t *testing.T) {
 	ticket, _ := ticketFor(t, ca, credInstance)
 	_, otherKey := ticketFor(t, ca, credInstance)
 
-	_, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, otherKey)
+	_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, otherKey)
 	if err == nil || !strings.Contains(err.Error(), "not for the key this node sent") {
 		t.Fatalf("writeCredentials: %v, want the certificate refused", err)
 	}
@@ -254,7 +316,7 @@ func TestWriteCredentialsRefusesMalformedCertificates(t *testing.T) {
 			p := testPaths(t)
 			ticket, key := ticketFor(t, ca, credInstance)
 			tamper(ticket)
-			if _, err := writeCredentials(p, kubeadm.JoinParams{}, credInstance, ticket, key); err == nil {
+			if _, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key); err == nil {
 				t.Fatal("writeCredentials accepted the ticket")
 			}
 		})

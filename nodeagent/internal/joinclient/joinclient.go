@@ -49,6 +49,12 @@ type Disk interface {
 	SetKey(ctx context.Context, initial, key []byte) error
 }
 
+// Kubeadm runs kubeadm join (kubeadm.Exec), and kubeadm reset before a join that an earlier boot began.
+type Kubeadm interface {
+	Join(ctx context.Context, configPath string, progress func(line string)) error
+	Reset(ctx context.Context, progress func(line string)) error
+}
+
 // Locker is the node lock (nodestate.Lock).
 type Locker interface {
 	TryLock(owner string) bool
@@ -73,10 +79,13 @@ type Config struct {
 	Prover   Prover
 	Disk     Disk
 	Lock     Locker
-	Kubeadm  kubeadm.Runner
-	// KubeadmJoin holds this machine's kubeadm settings (phases, kubelet flags); the ticket fills in the rest.
+	Kubeadm  Kubeadm
+	// KubeadmJoin holds this machine's kubeadm settings (phases, kubelet flags, CRI socket); the ticket
+	// fills in the rest.
 	KubeadmJoin kubeadm.JoinParams
-	Paths       nodestate.Paths
+	// Kubelet holds this machine's kubelet settings, for tickets that join without kubeadm.
+	Kubelet kubeadm.KubeletSettings
+	Paths   nodestate.Paths
 
 	PCRs      []int
 	LocalAddr netip.Addr // optional source address for outgoing connections
@@ -136,7 +145,9 @@ func (c *Client) start(ctx context.Context) (context.Context, context.CancelFunc
 	return ctx, cancel
 }
 
-// Join runs the whole first join of a node whose state disk was just formatted.
+// Join runs the whole first join of a node. disk is Fresh when it was just formatted; a disk that is not
+// fresh was keyed on an earlier boot whose join never finished, and with the kubeadm method kubeadm's
+// half-written files are cleared (kubeadm reset) before kubeadm join runs again.
 func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.State, error) {
 	ctx, cancel := c.start(ctx)
 	defer cancel()
@@ -159,8 +170,15 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		return nil, err
 	}
 	ticket := msg.GetJoinTicket()
-	log.Info("join ticket received", "cluster", ticket.ClusterId,
-		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+	method := ticket.JoinMethod
+	if method != berthv1.JoinMethod_JOIN_METHOD_KUBEADM && method != berthv1.JoinMethod_JOIN_METHOD_KUBELET {
+		return nil, fmt.Errorf("join ticket's join method %v is not one this agent knows: is the join service newer than this image?", method)
+	}
+	attrs := []any{"cluster", ticket.ClusterId, "method", method.String()}
+	if method == berthv1.JoinMethod_JOIN_METHOD_KUBEADM {
+		attrs = append(attrs, "token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+	}
+	log.Info("join ticket received", attrs...)
 
 	if !c.cfg.Lock.TryLock(nodestate.OwnerJoin) {
 		log.Info("init server took the node lock first; join stops")
@@ -171,7 +189,14 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		return nil, fmt.Errorf("setting state disk key: %w", err)
 	}
 	log.Info("state disk keyed", "disk", disk.UUID)
-	joinConfig, err := writeCredentials(c.cfg.Paths, c.cfg.KubeadmJoin, self.Instance, ticket, kubeletKey)
+	kubeadmLog := func(line string) { log.Info("kubeadm", "line", line) }
+	if !disk.Fresh && method == berthv1.JoinMethod_JOIN_METHOD_KUBEADM {
+		log.Warn("an earlier boot began this join; resetting kubeadm before joining again")
+		if err := c.cfg.Kubeadm.Reset(ctx, kubeadmLog); err != nil {
+			return nil, fmt.Errorf("resetting an interrupted join: %w", err)
+		}
+	}
+	joinConfig, err := writeCredentials(&c.cfg, self.Instance, ticket, kubeletKey)
 	if err != nil {
 		return nil, fmt.Errorf("writing credentials: %w", err)
 	}
@@ -185,9 +210,12 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		}
 	}
 	failpoint.Crash(FailpointAfterCredentials)
-	err = c.cfg.Kubeadm.Join(ctx, joinConfig, func(line string) { log.Info("kubeadm", "line", line) })
-	if err != nil {
-		return nil, fmt.Errorf("kubeadm join: %w", err)
+	if joinConfig != "" {
+		if err := c.cfg.Kubeadm.Join(ctx, joinConfig, kubeadmLog); err != nil {
+			return nil, fmt.Errorf("kubeadm join: %w", err)
+		}
+	} else {
+		log.Info("kubelet credentials and configuration written; the kubelet registers the node")
 	}
 	state := &nodestate.State{ClusterID: ticket.ClusterId, NodeName: ticket.NodeName, Role: string(self.Instance.Role),
 		Via: nodestate.OwnerJoin, Since: c.cfg.Clock().UTC()}

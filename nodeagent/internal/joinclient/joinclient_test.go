@@ -65,8 +65,8 @@ func (l *fakeLocker) TryLock(string) bool { l.calls++; return true }
 
 type fakeKubeadm struct{}
 
-func (fakeKubeadm) Init(context.Context, string, func(string)) error { return errors.New("not here") }
 func (fakeKubeadm) Join(context.Context, string, func(string)) error { return errors.New("not here") }
+func (fakeKubeadm) Reset(context.Context, func(string)) error        { return errors.New("not here") }
 
 func addrs(s ...string) []netip.Addr {
 	a := make([]netip.Addr, len(s))

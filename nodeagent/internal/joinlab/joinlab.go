@@ -76,6 +76,14 @@ func WithKubernetesCA(ca *pki.CA) Option {
 	return func(c *joinservice.Config) { c.KubernetesCA = ca }
 }
 
+// WithoutKubeadm makes the join service issue tickets for an external control plane: the kubelet method,
+// with these kubelet settings, and no bootstrap tokens.
+func WithoutKubeadm(settings *berthv1.KubeletSettings) Option {
+	return func(c *joinservice.Config) {
+		c.Method, c.Kubelet, c.Tokens = berthv1.JoinMethod_JOIN_METHOD_KUBELET, settings, nil
+	}
+}
+
 // New starts the metadata service and the join service. The service's own control-plane instance, "cp-0",
 // has 127.0.0.1.
 func New(t testing.TB, opts ...Option) *Lab {
@@ -275,6 +283,7 @@ type Kubeadm struct {
 	mu            sync.Mutex
 	Joins         []string // contents of the configuration files
 	Inits         int
+	Resets        int
 }
 
 // Init writes an admin kubeconfig as kubeadm init would.
@@ -301,6 +310,15 @@ func (k *Kubeadm) Join(ctx context.Context, configPath string, progress func(str
 	progress("[preflight] Running pre-flight checks")
 	k.mu.Lock()
 	k.Joins = append(k.Joins, string(data))
+	k.mu.Unlock()
+	return nil
+}
+
+// Reset counts the resets of interrupted joins.
+func (k *Kubeadm) Reset(ctx context.Context, progress func(string)) error {
+	progress("[reset] Deleted contents of the etcd data directory")
+	k.mu.Lock()
+	k.Resets++
 	k.mu.Unlock()
 	return nil
 }

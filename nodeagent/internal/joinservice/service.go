@@ -68,14 +68,21 @@ type KubeletSigner interface {
 	SignKubelet(ctx context.Context, csr *x509.CertificateRequest, node string, ips []net.IP) (*x509.Certificate, error)
 }
 
-// Config is everything a Server needs; all fields but Clock, Logger, TokenTTL, Timeout, KubeletSigner and
-// ControlPlaneFiles are required.
+// Config is everything a Server needs; all fields but Method, Kubelet, Clock, Logger, TokenTTL, Timeout,
+// KubeletSigner and ControlPlaneFiles are required, and Tokens is required for the kubeadm method only.
 type Config struct {
 	Verifier  *attest.Verifier
 	Policy    PolicySource
 	Instances InstanceLookup
 	Tokens    TokenIssuer
 	Disks     DiskRegistry
+
+	// Method is how nodes join with the tickets: JOIN_METHOD_KUBEADM (the default) for clusters kubeadm
+	// made, or JOIN_METHOD_KUBELET for an external control plane, whose nodes are all workers and get no
+	// bootstrap token.
+	Method berthv1.JoinMethod
+	// Kubelet are the cluster's kubelet settings, sent with JOIN_METHOD_KUBELET tickets.
+	Kubelet *berthv1.KubeletSettings
 
 	// MasterSecret and Salt are the roots of every derived key.
 	MasterSecret, Salt []byte
@@ -111,13 +118,21 @@ type Server struct {
 
 // New checks cfg and derives what every ticket shares.
 func New(cfg Config) (*Server, error) {
+	switch cfg.Method {
+	case berthv1.JoinMethod_JOIN_METHOD_UNSPECIFIED:
+		cfg.Method = berthv1.JoinMethod_JOIN_METHOD_KUBEADM
+	case berthv1.JoinMethod_JOIN_METHOD_KUBEADM, berthv1.JoinMethod_JOIN_METHOD_KUBELET:
+	default:
+		return nil, fmt.Errorf("join service: unknown join method %v", cfg.Method)
+	}
 	var missing []string
 	for _, dep := range []struct {
 		name string
 		ok   bool
 	}{
 		{"verifier", cfg.Verifier != nil}, {"policy", cfg.Policy != nil}, {"instances", cfg.Instances != nil},
-		{"tokens", cfg.Tokens != nil}, {"disks", cfg.Disks != nil}, {"Kubernetes CA", cfg.KubernetesCA != nil},
+		{"tokens", cfg.Tokens != nil || cfg.Method == berthv1.JoinMethod_JOIN_METHOD_KUBELET},
+		{"disks", cfg.Disks != nil}, {"Kubernetes CA", cfg.KubernetesCA != nil},
 		{"API server endpoint", cfg.APIServerEndpoint != ""},
 	} {
 		if !dep.ok {
@@ -186,6 +201,10 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 	if err := checkCSR(csr, ex.instance); err != nil {
 		return s.refuse(ex.log, codes.PermissionDenied, "kubelet CSR refused", err)
 	}
+	if s.cfg.Method == berthv1.JoinMethod_JOIN_METHOD_KUBELET && ex.instance.Role != metadata.RoleWorker {
+		return s.refuse(ex.log, codes.PermissionDenied, "role refused",
+			fmt.Errorf("this join service joins workers to an external control plane; the instance record says %q", ex.instance.Role))
+	}
 	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek); {
 	case errors.Is(err, ErrDiskOwnedByOther):
 		return s.refuse(ex.log, codes.PermissionDenied, "disk refused", err)
@@ -199,8 +218,11 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_JoinTicket{JoinTicket: ticket}}); err != nil {
 		return err
 	}
-	ex.log.Info("join ticket issued", "control_plane_files", len(ticket.ControlPlaneFiles), "cluster_secrets", ticket.ClusterSecrets != nil,
-		"token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+	attrs := []any{"method", ticket.JoinMethod.String(), "control_plane_files", len(ticket.ControlPlaneFiles), "cluster_secrets", ticket.ClusterSecrets != nil}
+	if ticket.BootstrapToken != "" {
+		attrs = append(attrs, "token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
+	}
+	ex.log.Info("join ticket issued", attrs...)
 	return nil
 }
 
@@ -339,26 +361,30 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 		}
 	}
 	ex.log = ex.log.With("kubelet_cert_serial", cert.SerialNumber.Text(16))
+	ticket := &berthv1.JoinTicket{
+		NodeName:                ex.instance.Name,
+		ClusterId:               s.clusterID,
+		DiskKey:                 diskKey,
+		MeasurementSecret:       measurement,
+		ApiServerEndpoint:       s.cfg.APIServerEndpoint,
+		KubeletCertificate:      cert.Raw,
+		KubernetesCaCertificate: s.cfg.KubernetesCA.Cert.Raw,
+		KubernetesVersion:       s.cfg.KubernetesVersion,
+		ControlPlaneFiles:       files,
+		ClusterSecrets:          secrets,
+		JoinMethod:              s.cfg.Method,
+	}
+	if s.cfg.Method == berthv1.JoinMethod_JOIN_METHOD_KUBELET {
+		ticket.KubeletSettings = s.cfg.Kubelet
+		return ticket, nil
+	}
 	// The token is made last so that no failure above leaves one behind unused.
 	token, expires, err := s.cfg.Tokens.Issue(ctx, s.cfg.TokenTTL)
 	if err != nil {
 		return nil, fmt.Errorf("creating bootstrap token: %w", err)
 	}
-	return &berthv1.JoinTicket{
-		NodeName:                  ex.instance.Name,
-		ClusterId:                 s.clusterID,
-		DiskKey:                   diskKey,
-		MeasurementSecret:         measurement,
-		ApiServerEndpoint:         s.cfg.APIServerEndpoint,
-		BootstrapToken:            token,
-		BootstrapTokenExpiresUnix: expires.Unix(),
-		DiscoveryCaCertHashes:     s.caPins,
-		KubeletCertificate:        cert.Raw,
-		KubernetesCaCertificate:   s.cfg.KubernetesCA.Cert.Raw,
-		KubernetesVersion:         s.cfg.KubernetesVersion,
-		ControlPlaneFiles:         files,
-		ClusterSecrets:            secrets,
-	}, nil
+	ticket.BootstrapToken, ticket.BootstrapTokenExpiresUnix, ticket.DiscoveryCaCertHashes = token, expires.Unix(), s.caPins
+	return ticket, nil
 }
 
 func (s *Server) nodeKeys(disk keys.Label) (diskKey, measurement []byte, err error) {

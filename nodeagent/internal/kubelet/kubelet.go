@@ -1,11 +1,13 @@
 // Package kubelet runs the kubelet on machines without systemd, the way kubeadm's systemd drop-in would:
-// it waits for the files kubeadm writes (the kubelet configuration and kubeadm-flags.env), then starts
-// the kubelet with the same flags, and starts it again whenever it exits, until stopped.
+// it waits for the files kubeadm writes (the kubelet configuration and kubeadm-flags.env; the join client
+// writes the same two when a node joins without kubeadm), then starts the kubelet with the same flags, and
+// starts it again whenever it exits, until stopped.
 package kubelet
 
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -86,6 +88,17 @@ func (s *Supervisor) runOnce(ctx context.Context, log *slog.Logger, args []strin
 	cmd.WaitDelay = 10 * time.Second
 	log.Info("starting kubelet", "binary", bin, "args", strings.Join(args, " "), "log", logFile.Name())
 	return cmd.Run()
+}
+
+// RemoveStartFiles removes the kubelet's configuration and flags, so that a supervisor started next waits
+// for a join to write them again instead of starting a kubelet from a join that never finished.
+func RemoveStartFiles(p nodestate.Paths) error {
+	for _, name := range []string{"config.yaml", "kubeadm-flags.env"} {
+		if err := os.Remove(filepath.Join(p.KubeletDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("removing the kubelet's configuration: %w", err)
+		}
+	}
+	return nil
 }
 
 // args are the kubelet's flags as kubeadm's systemd drop-in composes them.

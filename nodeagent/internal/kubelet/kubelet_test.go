@@ -86,3 +86,26 @@ func TestReadFlagsEnv(t *testing.T) {
 		t.Errorf("file without the variable: %v", err)
 	}
 }
+
+func TestRemoveStartFiles(t *testing.T) {
+	dir := t.TempDir()
+	paths := nodestate.Paths{KubeletDir: dir}
+	keep := filepath.Join(dir, "pki", "kubelet-client-current.pem")
+	for _, f := range []string{"config.yaml", "kubeadm-flags.env", "pki/kubelet-client-current.pem"} {
+		if err := nodestate.WriteFile(filepath.Join(dir, f), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := RemoveStartFiles(paths); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := (&Supervisor{Paths: paths}).args(filepath.Join(dir, "kubeadm-flags.env"), filepath.Join(dir, "config.yaml")); err == nil {
+		t.Error("the supervisor would still start a kubelet")
+	}
+	if _, err := os.Stat(keep); err != nil {
+		t.Errorf("other kubelet files went too: %v", err)
+	}
+	if err := RemoveStartFiles(paths); err != nil {
+		t.Errorf("removing again: %v", err)
+	}
+}

@@ -325,7 +325,7 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 		PCRs: joinlab.QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
 	})
 	a.Start = time.Now()
-	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, InitialKey: make([]byte, 32)})
+	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, Fresh: true, InitialKey: make([]byte, 32)})
 	a.Ticket = time.Now()
 	a.Keys = disk.keys
 }
@@ -345,6 +345,9 @@ func (noKubeadm) Init(context.Context, string, func(string)) error {
 	return errors.New("storm agents do not init")
 }
 func (noKubeadm) Join(context.Context, string, func(string)) error { return nil }
+func (noKubeadm) Reset(context.Context, func(string)) error {
+	return errors.New("storm agents join fresh disks only")
+}
 
 // BootAgent boots one real `berth-agent boot` process as worker w, with tpm (its own, from h.EKCA), a LUKS2
 // image as its state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node
