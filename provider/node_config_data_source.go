@@ -3,12 +3,16 @@ package provider
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/types"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/metadata"
@@ -20,11 +24,17 @@ const (
 	maxUserData = 16 * 1024
 	// userDataPath is where cloud-init writes the user-data for berth-agent.
 	userDataPath = "/etc/berth/user-data.json"
+	// maxHostname is the longest hostname Linux takes (sethostname(2), systemd's hostname checks). cloud-init
+	// checks nothing itself and passes the name on, so a longer one would fail on the node rather than here.
+	maxHostname = 64
 )
 
-var _ datasource.DataSource = (*nodeConfigDataSource)(nil)
+var (
+	_ datasource.DataSource                   = (*nodeConfigDataSource)(nil)
+	_ datasource.DataSourceWithValidateConfig = (*nodeConfigDataSource)(nil)
+)
 
-// nodeConfigDataSource is berth_node_config: the user-data a launch template gives its nodes.
+// nodeConfigDataSource is berth_node_config: the user-data a launch template or PXE profile gives its nodes.
 type nodeConfigDataSource struct{}
 
 func newNodeConfigDataSource() datasource.DataSource {
@@ -37,6 +47,8 @@ type nodeConfigModel struct {
 	JoinPort       types.Int64  `tfsdk:"join_port"`
 	JoinEndpoints  []string     `tfsdk:"join_endpoints"`
 	InitSecretHash types.String `tfsdk:"init_secret_hash"`
+	Hostname       types.String `tfsdk:"hostname"`
+	BareMetal      types.Bool   `tfsdk:"bare_metal"`
 	JSON           types.String `tfsdk:"json"`
 	CloudInit      types.String `tfsdk:"cloud_init"`
 	SizeBytes      types.Int64  `tfsdk:"size_bytes"`
@@ -50,6 +62,17 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 	resp.Schema = schema.Schema{
 		MarkdownDescription: "Renders the user-data a launch template or autoscaling group gives its Berth nodes: " +
 			"the cluster name, where the join service is, and the pin of the join CA. It holds nothing secret.\n\n" +
+			"**Bare-metal nodes.** Machines without an instance-metadata service, bare-metal or PXE-booted, can " +
+			"join as workers a cluster whose control plane runs elsewhere, through a standalone Berth join " +
+			"service: set `bare_metal = true` for them. Such a node reads its user-data from the file " +
+			"`cloud_init` writes, so its image must set `userDataFile: " + userDataPath + "` in berth-agent's " +
+			"`agent.yaml` and have cloud-init apply `cloud_init` (for example NoCloud with a seed URL on the PXE " +
+			"kernel command line). It finds the join service only through `join_endpoints`. It takes its " +
+			"Kubernetes node name from its hostname and its address from its network interface; the join " +
+			"service finds the node's record in its own inventory by that address and refuses the node when its " +
+			"hostname differs from the recorded name. So give each machine its inventory name: one data source " +
+			"per machine with `hostname` set (for example `for_each` over the inventory, one PXE profile each), " +
+			"unless the machines get their names another way.\n\n" +
 			fmt.Sprintf("Fails when the cloud-init document is larger than %d bytes (16 KiB, AWS EC2's limit).", maxUserData),
 		Attributes: map[string]schema.Attribute{
 			"cluster_name": schema.StringAttribute{
@@ -61,20 +84,44 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 				MarkdownDescription: "SPKI pin of the join CA, `berth_secrets.<name>.join_ca_pin`.",
 			},
 			"join_port": schema.Int64Attribute{
-				Optional:            true,
-				Computed:            true,
-				MarkdownDescription: fmt.Sprintf("Port of the join service on control-plane nodes. Default %d.", defaultJoinPort),
+				Optional: true,
+				Computed: true,
+				MarkdownDescription: fmt.Sprintf("Port of the join service on control-plane nodes. Default %d. ", defaultJoinPort) +
+					"Bare-metal nodes do not use it: each `join_endpoints` entry names its own port.",
 			},
 			"join_endpoints": schema.ListAttribute{
 				Optional:    true,
 				ElementType: types.StringType,
 				MarkdownDescription: "`host:port` of load balancers in front of the join service, tried before the " +
-					"control-plane nodes themselves.",
+					"control-plane nodes themselves. Required when `bare_metal` is true: then they are the only way " +
+					"to the join service.",
 			},
 			"init_secret_hash": schema.StringAttribute{
 				Optional: true,
 				MarkdownDescription: "`berth_secrets.<name>.init_secret_hash`. Set it only in the user-data of the " +
-					"first control-plane node, the one that initializes the cluster.",
+					"first control-plane node, the one that initializes the cluster. Must be unset when `bare_metal` " +
+					"is true.",
+			},
+			"bare_metal": schema.BoolAttribute{
+				Optional: true,
+				Computed: true,
+				MarkdownDescription: "`true` for nodes without an instance-metadata service (see above); their image " +
+					"must set `userDataFile: " + userDataPath + "` in `agent.yaml`. Requires `join_endpoints` and " +
+					"refuses `init_secret_hash`: such nodes are workers of an external control plane and never " +
+					"initialize a cluster. It does not change `json`: `agent.yaml`, not the user-data, tells the agent " +
+					"there is no metadata service. Default `false`.",
+			},
+			"hostname": schema.StringAttribute{
+				Optional: true,
+				MarkdownDescription: "Hostname to give the machine. `cloud_init` then also sets cloud-init's " +
+					"`hostname` and `fqdn` both to this value, and `preserve_hostname: false`: the hostname is exactly " +
+					"this value on every distribution (given `hostname` alone, cloud-init sets the datasource's FQDN " +
+					"on the Red Hat family and only the first label of a dotted name on Debian and Ubuntu), and a " +
+					"`preserve_hostname: true` in the image's `cloud.cfg` cannot keep the old name. Meant for " +
+					"`bare_metal` nodes, set to the machine's name in the join service's inventory; cloud nodes take " +
+					"their name from the instance metadata. " +
+					fmt.Sprintf("A Kubernetes node name (a lowercase DNS-1123 subdomain) of at most %d characters, the "+
+						"longest hostname Linux takes. It does not change `json`.", maxHostname),
 			},
 			"json": schema.StringAttribute{
 				Computed:            true,
@@ -83,13 +130,47 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			"cloud_init": schema.StringAttribute{
 				Computed: true,
 				MarkdownDescription: "A `#cloud-config` document that writes `json` to `" + userDataPath + "` (mode " +
-					"0644); give it to the instance as user-data.",
+					"0644), and sets the hostname when `hostname` is set; give it to the instance as user-data.",
 			},
 			"size_bytes": schema.Int64Attribute{
 				Computed:            true,
 				MarkdownDescription: "Size of `cloud_init` in bytes.",
 			},
 		},
+	}
+}
+
+// ValidateConfig refuses what cannot work before anything is read. Terraform validates again with every value
+// known before it reads the data source, so values unknown here are checked then.
+func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasource.ValidateConfigRequest, resp *datasource.ValidateConfigResponse) {
+	var hostname, initSecretHash types.String
+	var bareMetal types.Bool
+	var endpoints types.List
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("hostname"), &hostname)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("init_secret_hash"), &initSecretHash)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("bare_metal"), &bareMetal)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("join_endpoints"), &endpoints)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	if known(hostname) {
+		if err := validateHostname(hostname.ValueString()); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("hostname"), "Invalid hostname", err.Error())
+		}
+	}
+	if !bareMetal.ValueBool() {
+		return
+	}
+	if !endpoints.IsUnknown() && len(endpoints.Elements()) == 0 {
+		resp.Diagnostics.AddAttributeError(path.Root("join_endpoints"), "Missing join endpoints",
+			"bare-metal nodes find the join service only through join_endpoints: no instance metadata lists "+
+				"control-plane nodes for them. List host:port of the standalone join service, or of a load "+
+				"balancer in front of it.")
+	}
+	if known(initSecretHash) {
+		resp.Diagnostics.AddAttributeError(path.Root("init_secret_hash"), "Init secret hash on bare-metal nodes",
+			"init_secret_hash must be unset when bare_metal is true: bare-metal nodes join as workers of a "+
+				"control plane that runs elsewhere and never initialize a cluster.")
 	}
 }
 
@@ -101,6 +182,9 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 	}
 	if m.JoinPort.IsNull() {
 		m.JoinPort = types.Int64Value(defaultJoinPort)
+	}
+	if m.BareMetal.IsNull() {
+		m.BareMetal = types.BoolValue(false)
 	}
 	if p := m.JoinPort.ValueInt64(); p < 1 || p > 65535 {
 		resp.Diagnostics.AddAttributeError(path.Root("join_port"), "Invalid join port",
@@ -114,7 +198,7 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		JoinCAPin:      m.JoinCAPin.ValueString(),
 		InitSecretHash: m.InitSecretHash.ValueString(),
 	}
-	doc, cloudInit, err := renderUserData(u)
+	doc, cloudInit, err := renderUserData(u, m.Hostname.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddError("Invalid node configuration", err.Error())
 		return
@@ -125,9 +209,36 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
 }
 
+// validateHostname checks that name can be both the machine's hostname and its Kubernetes node name.
+func validateHostname(name string) error {
+	if name == "" {
+		return errors.New("hostname is empty; leave it unset to keep the machine's own hostname")
+	}
+	if i := strings.IndexFunc(name, notNodeNameChar); i >= 0 {
+		r, _ := utf8.DecodeRuneInString(name[i:])
+		return fmt.Errorf("hostname %q: %q at byte %d is not a lowercase letter, digit, '-' or '.', the only "+
+			"characters of a Kubernetes node name", name, r, i)
+	}
+	if msgs := validation.IsDNS1123Subdomain(name); len(msgs) > 0 {
+		return fmt.Errorf("hostname %q is not a Kubernetes node name: %s", name, strings.Join(msgs, "; "))
+	}
+	if len(name) > maxHostname {
+		return fmt.Errorf("hostname %q has %d characters; Linux takes at most %d, so the node would not get "+
+			"this name", name, len(name), maxHostname)
+	}
+	return nil
+}
+
+func notNodeNameChar(r rune) bool {
+	return (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '-' && r != '.'
+}
+
 // cloudConfig is the part of cloud-init's #cloud-config that Berth uses.
 type cloudConfig struct {
-	WriteFiles []writeFile `json:"write_files"`
+	Hostname         string      `json:"hostname,omitempty"`
+	FQDN             string      `json:"fqdn,omitempty"`
+	PreserveHostname *bool       `json:"preserve_hostname,omitempty"`
+	WriteFiles       []writeFile `json:"write_files"`
 }
 
 type writeFile struct {
@@ -138,8 +249,9 @@ type writeFile struct {
 }
 
 // renderUserData returns the user-data as JSON and as a #cloud-config document that writes that JSON to
-// userDataPath. The document is marshalled, not templated, so no value can break out of its YAML string.
-func renderUserData(u metadata.UserData) (doc, cloudInit string, err error) {
+// userDataPath and, unless hostname is empty, sets the machine's hostname. The document is marshalled, not
+// templated, so no value can break out of its YAML string.
+func renderUserData(u metadata.UserData, hostname string) (doc, cloudInit string, err error) {
 	if err := u.Validate(); err != nil {
 		return "", "", err
 	}
@@ -147,9 +259,19 @@ func renderUserData(u metadata.UserData) (doc, cloudInit string, err error) {
 	if err != nil {
 		return "", "", fmt.Errorf("encoding user-data: %w", err)
 	}
-	body, err := yaml.Marshal(cloudConfig{WriteFiles: []writeFile{{
+	cc := cloudConfig{WriteFiles: []writeFile{{
 		Path: userDataPath, Content: string(data), Owner: "root:root", Permissions: "0644",
-	}}})
+	}}}
+	if hostname != "" {
+		if err := validateHostname(hostname); err != nil {
+			return "", "", err
+		}
+		// cloud-init sets the short name or the FQDN depending on the distribution; both the same name makes
+		// the hostname that name everywhere.
+		preserve := false
+		cc.Hostname, cc.FQDN, cc.PreserveHostname = hostname, hostname, &preserve
+	}
+	body, err := yaml.Marshal(cc)
 	if err != nil {
 		return "", "", fmt.Errorf("encoding cloud-init document: %w", err)
 	}

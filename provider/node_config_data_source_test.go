@@ -3,6 +3,7 @@ package provider
 import (
 	"encoding/json"
 	"fmt"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -41,9 +42,9 @@ data "berth_node_config" "worker" {
 }
 `
 
-// checkCloudInit checks that cloud_init is a #cloud-config that writes exactly json to the agent's path,
-// and that size_bytes is its size.
-func checkCloudInit(addr string, want metadata.UserData) resource.TestCheckFunc {
+// checkCloudInit checks that cloud_init is a #cloud-config that writes exactly json to the agent's path and
+// sets the hostname only when wantHostname is not empty, and that size_bytes is its size.
+func checkCloudInit(addr string, want metadata.UserData, wantHostname string) resource.TestCheckFunc {
 	return func(s *terraform.State) error {
 		a := s.RootModule().Resources[addr].Primary.Attributes
 		var got metadata.UserData
@@ -65,6 +66,9 @@ func checkCloudInit(addr string, want metadata.UserData) resource.TestCheckFunc 
 		if len(cc.WriteFiles) != 1 || cc.WriteFiles[0] != (writeFile{Path: "/etc/berth/user-data.json",
 			Content: a["json"], Owner: "root:root", Permissions: "0644"}) {
 			return fmt.Errorf("%s.cloud_init writes %+v", addr, cc.WriteFiles)
+		}
+		if err := checkHostname(cc, wantHostname); err != nil {
+			return fmt.Errorf("%s.cloud_init: %w", addr, err)
 		}
 		if a["size_bytes"] != strconv.Itoa(len(doc)) || len(doc) > maxUserData {
 			return fmt.Errorf("%s.size_bytes = %s for %d bytes", addr, a["size_bytes"], len(doc))
@@ -93,13 +97,15 @@ func TestNodeConfigDataSource(t *testing.T) {
 				},
 				Check: resource.ComposeTestCheckFunc(
 					resource.TestCheckResourceAttr("data.berth_node_config.first", "join_port", "7450"),
+					resource.TestCheckResourceAttr("data.berth_node_config.first", "bare_metal", "false"),
+					resource.TestCheckNoResourceAttr("data.berth_node_config.first", "hostname"),
 					checkCloudInit("data.berth_node_config.first", metadata.UserData{
 						ClusterName: "prod", JoinEndpoints: []string{"join.berth.example.internal:7450"},
 						JoinPort: 7450, JoinCAPin: testPin, InitSecretHash: hash,
-					}),
+					}, ""),
 					checkCloudInit("data.berth_node_config.worker", metadata.UserData{
 						ClusterName: "prod", JoinPort: 8443, JoinCAPin: testPin,
-					}),
+					}, ""),
 				),
 			},
 			{
@@ -124,7 +130,7 @@ func TestNodeConfigDataSource(t *testing.T) {
 
 func TestRenderUserDataLimit(t *testing.T) {
 	u := metadata.UserData{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin}
-	_, small, err := renderUserData(u)
+	_, small, err := renderUserData(u, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +138,7 @@ func TestRenderUserDataLimit(t *testing.T) {
 	last := len(small)
 	for i := 0; ; i++ {
 		u.JoinEndpoints = append(u.JoinEndpoints, fmt.Sprintf("join-%04d.example.internal:7450", i))
-		_, doc, err := renderUserData(u)
+		_, doc, err := renderUserData(u, "")
 		if err != nil {
 			if !strings.Contains(err.Error(), "16 KiB") || last > maxUserData {
 				t.Fatalf("after %d bytes accepted: %v", last, err)
@@ -149,10 +155,199 @@ func TestRenderUserDataRefusesInvalid(t *testing.T) {
 		{ClusterName: "prod", JoinPort: 7450, JoinCAPin: "sha256:xyz"},
 		{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin, InitSecretHash: "plain-text-secret"},
 	} {
-		if _, _, err := renderUserData(u); err == nil {
+		if _, _, err := renderUserData(u, ""); err == nil {
 			t.Errorf("rendered invalid user-data %+v", u)
 		} else if strings.Contains(err.Error(), "plain-text-secret") {
 			t.Errorf("error echoes the init secret hash field: %v", err)
 		}
+	}
+}
+
+// checkHostname checks that cc sets the hostname to want the way cloud-init does it on every distribution,
+// or does not touch the hostname when want is empty.
+func checkHostname(cc cloudConfig, want string) error {
+	preserve := "unset"
+	if cc.PreserveHostname != nil {
+		preserve = strconv.FormatBool(*cc.PreserveHostname)
+	}
+	if want == "" {
+		if cc.Hostname != "" || cc.FQDN != "" || cc.PreserveHostname != nil {
+			return fmt.Errorf("sets hostname %q, fqdn %q, preserve_hostname %s; want none", cc.Hostname, cc.FQDN, preserve)
+		}
+		return nil
+	}
+	if cc.Hostname != want || cc.FQDN != want || preserve != "false" {
+		return fmt.Errorf("sets hostname %q, fqdn %q, preserve_hostname %s; want %q, %q, false",
+			cc.Hostname, cc.FQDN, preserve, want, want)
+	}
+	return nil
+}
+
+const bareMetalConfig = `
+variable "hostname" {
+  type    = string
+  default = null
+}
+
+variable "endpoints" {
+  type    = list(string)
+  default = null
+}
+
+variable "hash" {
+  type    = string
+  default = null
+}
+
+data "berth_node_config" "node" {
+  cluster_name     = "prod"
+  join_ca_pin      = "` + testPin + `"
+  bare_metal       = true
+  hostname         = var.hostname
+  join_endpoints   = var.endpoints
+  init_secret_hash = var.hash
+}
+`
+
+// attrError matches Terraform's rendering of an error on one attribute of data.berth_node_config.node: the
+// summary, the attribute's line of the configuration, then the detail.
+func attrError(summary, attr, detail string) *regexp.Regexp {
+	return regexp.MustCompile(`(?s)Error: ` + regexp.QuoteMeta(summary) + `.*with data\.berth_node_config\.node,` +
+		`.*in data "berth_node_config" "node":\s+\d+:\s+` + attr + `\s+=.*` + phrase(detail).String())
+}
+
+func TestNodeConfigBareMetal(t *testing.T) {
+	hash, err := initsecret.Hash([]byte("test-init-secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoints := config.ListVariable(config.StringVariable("join.rack1.example.internal:7450"))
+	hostname := func(name string) config.Variables {
+		return config.Variables{"hostname": config.StringVariable(name), "endpoints": endpoints}
+	}
+	resource.UnitTest(t, resource.TestCase{
+		ProtoV6ProviderFactories: providers,
+		Steps: []resource.TestStep{
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: hostname("rack1-node07.dc1.example.com"),
+				Check: resource.ComposeTestCheckFunc(
+					resource.TestCheckResourceAttr("data.berth_node_config.node", "bare_metal", "true"),
+					resource.TestCheckResourceAttr("data.berth_node_config.node", "hostname", "rack1-node07.dc1.example.com"),
+					checkCloudInit("data.berth_node_config.node", metadata.UserData{
+						ClusterName: "prod", JoinEndpoints: []string{"join.rack1.example.internal:7450"},
+						JoinPort: 7450, JoinCAPin: testPin,
+					}, "rack1-node07.dc1.example.com"),
+				),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: config.Variables{"hostname": config.StringVariable("rack1-node07")},
+				ExpectError: attrError("Missing join endpoints", "join_endpoints",
+					"bare-metal nodes find the join service only through join_endpoints"),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: config.Variables{"endpoints": config.ListVariable()},
+				ExpectError: attrError("Missing join endpoints", "join_endpoints",
+					"bare-metal nodes find the join service only through join_endpoints"),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: config.Variables{"endpoints": endpoints, "hash": config.StringVariable(hash)},
+				ExpectError: attrError("Init secret hash on bare-metal nodes", "init_secret_hash",
+					"init_secret_hash must be unset when bare_metal is true"),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: hostname("Rack1-Node07"),
+				ExpectError:     attrError("Invalid hostname", "hostname", `hostname "Rack1-Node07": 'R' at byte 0 is not a lowercase letter`),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: hostname(strings.Repeat("a", 40) + "." + strings.Repeat("b", 24)),
+				ExpectError:     attrError("Invalid hostname", "hostname", "has 65 characters; Linux takes at most 64"),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: hostname("rack1 node07"),
+				ExpectError:     attrError("Invalid hostname", "hostname", `' ' at byte 5 is not a lowercase letter`),
+			},
+			{
+				Config:          bareMetalConfig,
+				ConfigVariables: hostname("rack1-node07\nruncmd: [reboot]"),
+				ExpectError:     attrError("Invalid hostname", "hostname", `hostname "rack1-node07\nruncmd: [reboot]": '\n' at byte 12`),
+			},
+		},
+	})
+}
+
+func TestRenderUserDataHostname(t *testing.T) {
+	u := metadata.UserData{ClusterName: "prod", JoinEndpoints: []string{"join.rack1.example.internal:7450"},
+		JoinPort: 7450, JoinCAPin: testPin}
+	plain, _, err := renderUserData(u, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"rack1-node07", "rack1-node07.dc1.example.com", strings.Repeat("a", 64)} {
+		doc, cloudInit, err := renderUserData(u, name)
+		if err != nil {
+			t.Fatalf("hostname %q: %v", name, err)
+		}
+		if doc != plain {
+			t.Errorf("hostname %q changed the JSON: %s, want %s", name, doc, plain)
+		}
+		var cc cloudConfig
+		if err := yaml.UnmarshalStrict([]byte(cloudInit), &cc); err != nil {
+			t.Fatalf("hostname %q: cloud_init is not YAML: %v", name, err)
+		}
+		if err := checkHostname(cc, name); err != nil {
+			t.Errorf("hostname %q: %v", name, err)
+		}
+		if len(cc.WriteFiles) != 1 || cc.WriteFiles[0].Path != userDataPath || cc.WriteFiles[0].Content != plain {
+			t.Errorf("hostname %q: cloud_init writes %+v", name, cc.WriteFiles)
+		}
+		// cloud-init reads YAML 1.1: preserve_hostname must be the boolean false, not a string.
+		var keys map[string]any
+		if err := yaml.Unmarshal([]byte(cloudInit), &keys); err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) != 4 || keys["preserve_hostname"] != false || keys["hostname"] != name || keys["fqdn"] != name {
+			t.Errorf("hostname %q: cloud_init has %v", name, keys)
+		}
+	}
+}
+
+func TestValidateHostname(t *testing.T) {
+	for _, tt := range []struct {
+		name, wantErr string
+	}{
+		{name: "rack1-node07"},
+		{name: "rack1-node07.dc1.example.com"},
+		{name: "0"},
+		{name: strings.Repeat("a", 64)},
+		{name: "", wantErr: "hostname is empty"},
+		{name: "Rack1", wantErr: `'R' at byte 0 is not a lowercase letter`},
+		{name: "rack1_node07", wantErr: `'_' at byte 5`},
+		{name: "rack1 node07", wantErr: `' ' at byte 5`},
+		{name: "node\nruncmd: [reboot]", wantErr: `'\n' at byte 4`},
+		{name: "nöde", wantErr: `'ö' at byte 1`},
+		{name: "-rack1", wantErr: "is not a Kubernetes node name"},
+		{name: "rack1-", wantErr: "is not a Kubernetes node name"},
+		{name: "rack1..example", wantErr: "is not a Kubernetes node name"},
+		{name: "rack1.example.", wantErr: "is not a Kubernetes node name"},
+		{name: strings.Repeat("a", 65), wantErr: "has 65 characters; Linux takes at most 64"},
+		{name: strings.Repeat("a", 254), wantErr: "must be no more than 253 characters"},
+	} {
+		err := validateHostname(tt.name)
+		switch {
+		case tt.wantErr == "" && err != nil:
+			t.Errorf("validateHostname(%q) = %v, want nil", tt.name, err)
+		case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+			t.Errorf("validateHostname(%q) = %v, want an error with %q", tt.name, err, tt.wantErr)
+		}
+	}
+	if _, _, err := renderUserData(metadata.UserData{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin}, "Rack1"); err == nil {
+		t.Error("renderUserData took hostname Rack1")
 	}
 }

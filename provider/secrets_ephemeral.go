@@ -81,7 +81,7 @@ func (e *secretsEphemeralResource) ValidateConfig(ctx context.Context, req ephem
 	if rootKey.IsNull() || rootKey.IsUnknown() {
 		return
 	}
-	if _, err := parseRootKey(rootKey.ValueString()); err != nil {
+	if _, err := clustersecrets.ParseRootKey(rootKey.ValueString()); err != nil {
 		resp.Diagnostics.AddAttributeError(path.Root("root_key"), "Invalid root key", err.Error())
 	}
 }
@@ -92,7 +92,7 @@ func (e *secretsEphemeralResource) Open(ctx context.Context, req ephemeral.OpenR
 	if resp.Diagnostics.HasError() {
 		return
 	}
-	root, err := parseRootKey(m.RootKey.ValueString())
+	root, err := clustersecrets.ParseRootKey(m.RootKey.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddAttributeError(path.Root("root_key"), "Invalid root key", err.Error())
 		return

@@ -121,7 +121,7 @@ func (r *secretsResource) ValidateConfig(ctx context.Context, req resource.Valid
 	var rootKey types.String
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("root_key_wo"), &rootKey)...)
 	if !rootKey.IsNull() && !rootKey.IsUnknown() {
-		if _, err := parseRootKey(rootKey.ValueString()); err != nil {
+		if _, err := clustersecrets.ParseRootKey(rootKey.ValueString()); err != nil {
 			resp.Diagnostics.AddAttributeError(path.Root("root_key_wo"), "Invalid root key", err.Error())
 		}
 	}
@@ -149,7 +149,7 @@ func (r *secretsResource) Create(ctx context.Context, req resource.CreateRequest
 			"root_key_wo has no known value at apply time; pass it from an ephemeral variable or resource.")
 		return
 	}
-	root, err := parseRootKey(rootKey.ValueString())
+	root, err := clustersecrets.ParseRootKey(rootKey.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddAttributeError(path.Root("root_key_wo"), "Invalid root key", err.Error())
 		return

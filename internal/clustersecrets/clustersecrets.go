@@ -90,26 +90,33 @@ var ErrWrongRootKey = errors.New("the CA certificates were made from another roo
 
 // CAs pairs kept CA certificates (PEM) with the keys derived now.
 func (s *Secrets) CAs(kubeCertPEM, joinCertPEM []byte) (kube, join *pki.CA, err error) {
-	pair := func(what string, certPEM []byte, key *ecdsa.PrivateKey) (*pki.CA, error) {
-		cert, err := pki.ParseCertPEM(certPEM)
-		if err != nil {
-			return nil, fmt.Errorf("%s certificate: %w", what, err)
-		}
-		if !key.PublicKey.Equal(cert.PublicKey) {
-			return nil, fmt.Errorf("%s: %w", what, ErrWrongRootKey)
-		}
-		if !cert.IsCA {
-			return nil, fmt.Errorf("%s certificate is not a CA certificate", what)
-		}
-		return &pki.CA{Cert: cert, Key: key}, nil
-	}
 	if kube, err = pair("Kubernetes CA", kubeCertPEM, s.KubernetesCAKey); err != nil {
 		return nil, nil, err
 	}
-	if join, err = pair("join CA", joinCertPEM, s.JoinCAKey); err != nil {
+	if join, err = s.JoinCA(joinCertPEM); err != nil {
 		return nil, nil, err
 	}
 	return kube, join, nil
+}
+
+// JoinCA pairs the kept join CA certificate (PEM) with the join CA key derived now: all a join service
+// beside an external control plane needs, whose Kubernetes CA is not Berth's.
+func (s *Secrets) JoinCA(certPEM []byte) (*pki.CA, error) {
+	return pair("join CA", certPEM, s.JoinCAKey)
+}
+
+func pair(what string, certPEM []byte, key *ecdsa.PrivateKey) (*pki.CA, error) {
+	cert, err := pki.ParseCertPEM(certPEM)
+	if err != nil {
+		return nil, fmt.Errorf("%s certificate: %w", what, err)
+	}
+	if !key.PublicKey.Equal(cert.PublicKey) {
+		return nil, fmt.Errorf("%s: %w", what, ErrWrongRootKey)
+	}
+	if !cert.IsCA {
+		return nil, fmt.Errorf("%s certificate is not a CA certificate", what)
+	}
+	return &pki.CA{Cert: cert, Key: key}, nil
 }
 
 // Pins are the SPKI pins of the derived CA keys, the form nodes and kubeadm check.

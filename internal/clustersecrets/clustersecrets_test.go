@@ -124,4 +124,17 @@ func TestCAs(t *testing.T) {
 	if _, _, err := later.CAs([]byte("not pem"), join.CertPEM()); err == nil {
 		t.Error("garbage certificate accepted")
 	}
+	// A join service beside an external control plane pairs the join CA alone.
+	if j3, err := later.JoinCA(join.CertPEM()); err != nil || !j3.Cert.Equal(join.Cert) {
+		t.Errorf("JoinCA: %v", err)
+	}
+	for name, certPEM := range map[string][]byte{"another root key's": nil, "the Kubernetes CA's": kube.CertPEM()} {
+		s := later
+		if certPEM == nil {
+			s, certPEM = wrong, join.CertPEM()
+		}
+		if _, err := s.JoinCA(certPEM); !errors.Is(err, ErrWrongRootKey) {
+			t.Errorf("JoinCA with %s certificate: %v, want ErrWrongRootKey", name, err)
+		}
+	}
 }

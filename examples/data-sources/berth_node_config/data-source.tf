@@ -27,3 +27,26 @@ data "berth_node_config" "workers" {
 output "worker_user_data" {
   value = data.berth_node_config.workers.cloud_init
 }
+
+# Bare-metal workers, PXE-booted, of a cluster whose control plane runs elsewhere. They have no metadata
+# service: their image sets `userDataFile: /etc/berth/user-data.json` in agent.yaml, they reach the standalone
+# join service only through join_endpoints, and each gets the name of its record in the join service's
+# inventory as its hostname, through its own PXE profile.
+variable "rack1_machines" {
+  type    = set(string)
+  default = ["rack1-node01", "rack1-node02"]
+}
+
+data "berth_node_config" "rack1" {
+  for_each = var.rack1_machines
+
+  cluster_name   = "prod"
+  join_ca_pin    = berth_secrets.cluster.join_ca_pin
+  join_endpoints = ["join.rack1.example.internal:7450"]
+  bare_metal     = true
+  hostname       = each.key
+}
+
+output "rack1_user_data" {
+  value = { for name, node in data.berth_node_config.rack1 : name => node.cloud_init }
+}

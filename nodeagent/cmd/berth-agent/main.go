@@ -34,6 +34,9 @@ const usage = `berth-agent: make this machine a Berth cluster node.
 Usage:
   berth-agent boot        [--config FILE]   unlock or create the state disk, attest, join or init, then serve joins on control-plane nodes
   berth-agent joinservice [--config FILE]   serve join tickets from this control-plane node's stored secrets
+  berth-agent joinservice --service-config FILE
+                                            serve join tickets beside an external control plane (workers
+                                            join without kubeadm; see docs/external-control-plane.md)
   berth-agent status      [--config FILE] [--json]   what this node is and why
   berth-agent measure     --uki FILE [--json]        predict the PCR values booting this UKI produces
   berth-agent version
@@ -57,6 +60,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	configPath := fs.String("config", agent.DefaultConfigPath, "agent configuration file")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	asJSON := fs.Bool("json", false, "status: print JSON")
+	serviceConfig := fs.String("service-config", "", "joinservice: run beside an external control plane with this configuration (e.g. "+agent.DefaultServiceConfigPath+")")
 	debugListen := fs.String("debug-listen", "", "serve Go's pprof profiles on this address, such as 127.0.0.1:6060 (never a public one)")
 	switch cmd {
 	case "version", "--version":
@@ -81,6 +85,26 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if *debugListen != "" {
+		if err := serveDebug(ctx, *debugListen, logger); err != nil {
+			logger.Error("debug listener", "error", err)
+			return 1
+		}
+	}
+	if *serviceConfig != "" {
+		if cmd != "joinservice" {
+			fmt.Fprintf(stderr, "berth-agent %s: --service-config is a flag of joinservice\n", cmd)
+			return 2
+		}
+		cfg, err := agent.LoadServiceConfig(*serviceConfig)
+		if err != nil {
+			logger.Error("configuration", "error", err)
+			return 1
+		}
+		return exit(cmd, agent.ServeStandalone(ctx, cfg, agent.KubeClient, logger), logger)
+	}
 	cfg, err := agent.LoadConfig(*configPath)
 	if err != nil {
 		logger.Error("configuration", "error", err)
@@ -90,14 +114,6 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		logger.Error("configuration", "error", err)
 		return 1
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if *debugListen != "" {
-		if err := serveDebug(ctx, *debugListen, logger); err != nil {
-			logger.Error("debug listener", "error", err)
-			return 1
-		}
 	}
 	switch cmd {
 	case "status":
@@ -117,6 +133,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "joinservice":
 		err = a.ServeJoinService(ctx)
 	}
+	return exit(cmd, err, logger)
+}
+
+// exit is the exit code of a command that ended with err; a stop by signal is no failure.
+func exit(cmd string, err error, logger *slog.Logger) int {
 	if err != nil && !errors.Is(err, context.Canceled) {
 		logger.Error(cmd+" failed", "error", err)
 		return 1

@@ -73,19 +73,29 @@ func RealDeps(cfg *Config, logger *slog.Logger) Deps {
 			}
 			return p, nil
 		},
-		Kubeadm: &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
-		KubeClient: func(kubeconfig string) (kubernetes.Interface, error) {
-			rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-			if err != nil {
-				return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
-			}
-			// client-go's default of 5 requests a second would make a join storm queue behind two writes per
-			// ticket; the API server's priority and fairness protects it instead.
-			rc.QPS, rc.Burst = kubeQPS, kubeBurst
-			return kubernetes.NewForConfig(rc)
-		},
-		Logger: logger,
+		Kubeadm:    &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
+		KubeClient: KubeClient,
+		Logger:     logger,
 	}
+}
+
+// KubeClient connects a join service to the API server with kubeconfig.
+func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
+	}
+	// client-go's default of 5 requests a second would make a join storm queue behind two writes per
+	// ticket; the API server's priority and fairness protects it instead.
+	rc.QPS, rc.Burst = kubeQPS, kubeBurst
+	return kubernetes.NewForConfig(rc)
+}
+
+// nodeMetadata is where a node learns who it is and which other nodes exist: a metadata service
+// (metadata.Client) or, on bare metal, its user-data file and the machine itself (metadata.Local).
+type nodeMetadata interface {
+	Self(ctx context.Context) (*metadata.Self, error)
+	Instances(ctx context.Context) ([]metadata.Instance, error)
 }
 
 // Agent is one node's agent.
@@ -93,9 +103,11 @@ type Agent struct {
 	cfg  *Config
 	deps Deps
 	log  *slog.Logger
-	meta *metadata.Client
-	disk *statedisk.Disk
-	vol  *luks.Volume
+	meta nodeMetadata
+	// records looks up other nodes for the join service; nil on nodes without a metadata service.
+	records *metadata.Client
+	disk    *statedisk.Disk
+	vol     *luks.Volume
 	// mounted is set once the state volume is mounted in this boot.
 	mounted bool
 }
@@ -114,11 +126,14 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 		}
 	}
 	vol := luks.New(cfg.StateDisk, log)
-	return &Agent{
-		cfg: cfg, deps: deps, log: log, vol: vol,
-		meta: &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src},
-		disk: statedisk.New(vol, log, diskOptions()...),
-	}, nil
+	a := &Agent{cfg: cfg, deps: deps, log: log, vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}
+	if cfg.UserDataFile != "" {
+		a.meta = &metadata.Local{UserDataFile: cfg.UserDataFile, Address: src}
+	} else {
+		a.records = &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src}
+		a.meta = a.records
+	}
+	return a, nil
 }
 
 // diskOptions are the state disk's options; a failpoint build can crash after each of its steps, at the

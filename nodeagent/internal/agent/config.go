@@ -25,7 +25,11 @@ const DefaultConfigPath = "/etc/berth/agent.yaml"
 // file says only where things are on this machine.
 type Config struct {
 	// MetadataURL is the instance-metadata service.
-	MetadataURL string `json:"metadataURL"`
+	MetadataURL string `json:"metadataURL,omitempty"`
+	// UserDataFile, on machines without a metadata service (bare metal booted by PXE), is the user-data
+	// cloud-init wrote (berth_node_config's json, /etc/berth/user-data.json); the node is then a worker
+	// named by its hostname. Exactly one of MetadataURL and UserDataFile is set.
+	UserDataFile string `json:"userDataFile,omitempty"`
 	// TPM is the TPM device (/dev/tpmrm0) or a swtpm socket ("unix:/path", "tcp:host:port").
 	TPM string `json:"tpm,omitempty"`
 	// StateDisk is the block device (or, in labs, the image file) of the encrypted state disk.
@@ -158,8 +162,8 @@ func (c *Config) Defaults() {
 // Validate says what is missing.
 func (c *Config) Validate() error {
 	var errs []error
-	if c.MetadataURL == "" {
-		errs = append(errs, errors.New("metadataURL is required"))
+	if (c.MetadataURL == "") == (c.UserDataFile == "") {
+		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service) and userDataFile (bare metal)"))
 	}
 	if c.StateDisk == "" {
 		errs = append(errs, errors.New("stateDisk is required"))

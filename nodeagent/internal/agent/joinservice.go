@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -21,7 +22,6 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cfssl"
-	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -43,6 +43,9 @@ const serverCertValidity = 90 * 24 * time.Hour
 
 // ServeJoinService serves join tickets from this control-plane node's stored cluster secrets until ctx ends.
 func (a *Agent) ServeJoinService(ctx context.Context) error {
+	if a.records == nil {
+		return errors.New("join service: a node without a metadata service (userDataFile) serves no joins")
+	}
 	self, err := a.self(ctx)
 	if err != nil {
 		return err
@@ -52,7 +55,8 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	kubeCA, signer, err := a.kubeletSigning()
+	dir := a.cfg.Paths.PKIDir()
+	kubeCA, signer, err := kubeletSigning(filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key"), a.cfg.CFSSL, a.log)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -60,13 +64,9 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
 	}
-	bundle, err := os.ReadFile(a.cfg.EKCABundle)
+	verifier, err := ekVerifier(a.cfg.EKCABundle)
 	if err != nil {
-		return fmt.Errorf("join service: EK CA bundle: %w", err)
-	}
-	roots, inters, err := attest.ParseCABundle(bundle)
-	if err != nil {
-		return fmt.Errorf("join service: EK CA bundle %s: %w", a.cfg.EKCABundle, err)
+		return fmt.Errorf("join service: %w", err)
 	}
 	kubeconfig := a.cfg.Kubeconfig
 	if kubeconfig == "" {
@@ -76,26 +76,18 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	store := policy.NewStore(&policy.Policy{})
-	watchErr := make(chan error, 1)
-	if a.cfg.PolicyFile != "" {
-		go func() { watchErr <- policy.WatchFile(ctx, a.cfg.PolicyFile, 5*time.Second, store, log) }()
-	} else {
-		if err := a.publishInitialPolicy(ctx, kube); err != nil {
-			log.Warn("publishing the initial join policy", "error", err)
-		}
-		go func() {
-			watchErr <- policy.WatchConfigMap(ctx, kube, joinservice.Namespace, a.cfg.PolicyConfigMap, store, log)
-		}()
+	ips := make([]net.IP, len(self.Instance.Addresses))
+	for i, addr := range self.Instance.Addresses {
+		ips[i] = addr.AsSlice()
 	}
-
-	svc, err := joinservice.New(joinservice.Config{
-		Verifier:          attest.NewVerifier(roots, inters, nil),
-		Policy:            store,
-		Instances:         a.meta,
+	return serveJoins(ctx, joinServer{
+		listen: net.JoinHostPort(a.cfg.JoinListenHost, strconv.Itoa(int(self.UserData.JoinPort))),
+		names:  []string{self.Instance.Name}, ips: ips,
+		kube: kube, policyFile: a.cfg.PolicyFile, policyConfigMap: a.cfg.PolicyConfigMap,
+		initialPolicy: a.publishInitialPolicy, log: log,
+	}, joinservice.Config{
+		Verifier:          verifier,
+		Instances:         a.records,
 		Tokens:            &joinservice.KubeTokens{Client: kube},
 		Disks:             &joinservice.KubeDisks{Client: kube},
 		MasterSecret:      secrets.MasterSecret,
@@ -104,19 +96,55 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		KubeletSigner:     signer,
 		APIServerEndpoint: secrets.APIServerEndpoint,
 		KubernetesVersion: secrets.KubernetesVersion,
-		ControlPlaneFiles: joinservice.PKIFiles(a.cfg.Paths.PKIDir()),
+		ControlPlaneFiles: joinservice.PKIFiles(dir),
 		JoinCA:            joinCA,
 		Logger:            log,
 	})
+}
+
+// joinServer is where and how a join service serves, whether on a control-plane node or beside an
+// external control plane.
+type joinServer struct {
+	listen string
+	// names and ips go into the service's certificate.
+	names []string
+	ips   []net.IP
+	kube  kubernetes.Interface
+	// The policy comes from policyFile if set, else from the ConfigMap policyConfigMap in kube-system,
+	// which initialPolicy, if set, may create first.
+	policyFile, policyConfigMap string
+	initialPolicy               func(context.Context, kubernetes.Interface) error
+	log                         *slog.Logger
+}
+
+// serveJoins runs a join service with cfg (its policy from s) until ctx ends.
+func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	store := policy.NewStore(&policy.Policy{})
+	watchErr := make(chan error, 1)
+	if s.policyFile != "" {
+		go func() { watchErr <- policy.WatchFile(ctx, s.policyFile, 5*time.Second, store, s.log) }()
+	} else {
+		if s.initialPolicy != nil {
+			if err := s.initialPolicy(ctx, s.kube); err != nil {
+				s.log.Warn("publishing the initial join policy", "error", err)
+			}
+		}
+		go func() {
+			watchErr <- policy.WatchConfigMap(ctx, s.kube, joinservice.Namespace, s.policyConfigMap, store, s.log)
+		}()
+	}
+	cfg.Policy = store
+	svc, err := joinservice.New(cfg)
 	if err != nil {
 		return err
 	}
-	cert, err := serverCert(joinCA, self.Instance)
+	cert, err := serverCert(cfg.JoinCA, s.names, s.ips)
 	if err != nil {
 		return fmt.Errorf("join service certificate: %w", err)
 	}
-	addr := net.JoinHostPort(a.cfg.JoinListenHost, strconv.Itoa(int(self.UserData.JoinPort)))
-	lis, err := net.Listen("tcp", addr)
+	lis, err := net.Listen("tcp", s.listen)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -125,7 +153,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	berthv1.RegisterJoinServiceServer(gs, svc)
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
-	log.Info("join service listening", "address", lis.Addr().String())
+	s.log.Info("join service listening", "address", lis.Addr().String(), "method", cfg.Method.String())
 	select {
 	case <-ctx.Done():
 		stopGracefully(gs, 10*time.Second)
@@ -136,6 +164,19 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		gs.Stop()
 		return fmt.Errorf("join service: watching the join policy: %w", err)
 	}
+}
+
+// ekVerifier trusts the TPM vendors' EK CAs in bundle.
+func ekVerifier(bundle string) (*attest.Verifier, error) {
+	data, err := os.ReadFile(bundle)
+	if err != nil {
+		return nil, fmt.Errorf("EK CA bundle: %w", err)
+	}
+	roots, inters, err := attest.ParseCABundle(data)
+	if err != nil {
+		return nil, fmt.Errorf("EK CA bundle %s: %w", bundle, err)
+	}
+	return attest.NewVerifier(roots, inters, nil), nil
 }
 
 // publishInitialPolicy creates the policy ConfigMap from the init request's policy, unless it exists.
@@ -159,17 +200,16 @@ func (a *Agent) publishInitialPolicy(ctx context.Context, kube kubernetes.Interf
 	return err
 }
 
-// kubeletSigning is the Kubernetes CA and, with a CFSSL configured, the signer of kubelet certificates;
-// then the CA's key is not read, and need not be on this machine.
-func (a *Agent) kubeletSigning() (*pki.CA, joinservice.KubeletSigner, error) {
-	dir := a.cfg.Paths.PKIDir()
-	certPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
+// kubeletSigning is the Kubernetes CA (certificate file, and key file unless c configures a CFSSL) and,
+// with a CFSSL, the signer of kubelet certificates; then the CA's key is not read, and need not be on
+// this machine.
+func kubeletSigning(certFile, keyFile string, c *CFSSLConfig, log *slog.Logger) (*pki.CA, joinservice.KubeletSigner, error) {
+	certPEM, err := os.ReadFile(certFile)
 	if err != nil {
 		return nil, nil, fmt.Errorf("Kubernetes CA: %w", err)
 	}
-	c := a.cfg.CFSSL
 	if c == nil {
-		key, err := os.ReadFile(filepath.Join(dir, "ca.key"))
+		key, err := os.ReadFile(keyFile)
 		if err != nil {
 			return nil, nil, fmt.Errorf("Kubernetes CA: %w (configure cfssl to sign kubelet certificates without it)", err)
 		}
@@ -181,7 +221,7 @@ func (a *Agent) kubeletSigning() (*pki.CA, joinservice.KubeletSigner, error) {
 	}
 	cert, err := pki.ParseCertPEM(certPEM)
 	if err != nil {
-		return nil, nil, fmt.Errorf("Kubernetes CA: %w", err)
+		return nil, nil, fmt.Errorf("Kubernetes CA %s: %w", certFile, err)
 	}
 	hexKey, err := os.ReadFile(c.AuthKeyFile)
 	if err != nil {
@@ -192,23 +232,19 @@ func (a *Agent) kubeletSigning() (*pki.CA, joinservice.KubeletSigner, error) {
 		return nil, nil, fmt.Errorf("CFSSL auth key %s: %w", c.AuthKeyFile, err)
 	}
 	signer := &cfssl.Signer{URL: c.URL, Profile: c.Profile, AuthKey: key, Label: c.Label,
-		Logger: a.log.With("component", "cfssl")}
+		Logger: log.With("component", "cfssl")}
 	return &pki.CA{Cert: cert}, joinservice.CFSSLSigner{Signer: signer}, nil
 }
 
-// serverCert issues this node's join-service certificate, with the join CA in the chain so that nodes
-// holding only the CA's pin can verify it.
-func serverCert(ca *pki.CA, self metadata.Instance) (tls.Certificate, error) {
+// serverCert issues the join service's certificate, with the join CA in the chain so that nodes holding
+// only the CA's pin can verify it.
+func serverCert(ca *pki.CA, names []string, ips []net.IP) (tls.Certificate, error) {
 	key, err := pki.NewKey()
 	if err != nil {
 		return tls.Certificate{}, err
 	}
-	ips := make([]net.IP, len(self.Addresses))
-	for i, a := range self.Addresses {
-		ips[i] = a.AsSlice()
-	}
 	now := time.Now()
-	leaf, err := ca.IssueServer(key.Public(), []string{self.Name}, ips, now, min(serverCertValidity, ca.Cert.NotAfter.Sub(now)))
+	leaf, err := ca.IssueServer(key.Public(), names, ips, now, min(serverCertValidity, ca.Cert.NotAfter.Sub(now)))
 	if err != nil {
 		return tls.Certificate{}, err
 	}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -25,15 +26,11 @@ func TestKubeletSigning(t *testing.T) {
 		t.Fatal(err)
 	}
 	keyFile := filepath.Join(dir, "cfssl-key")
-	agentWith := func(c *CFSSLConfig) *Agent {
-		a, err := New(&Config{MetadataURL: "http://127.0.0.1:1", StateDisk: "unused", Paths: paths, CFSSL: c}, Deps{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return a
+	signing := func(c *CFSSLConfig) (*pki.CA, joinservice.KubeletSigner, error) {
+		return kubeletSigning(filepath.Join(paths.PKIDir(), "ca.crt"), filepath.Join(paths.PKIDir(), "ca.key"), c, slog.New(slog.DiscardHandler))
 	}
 
-	if _, _, err := agentWith(nil).kubeletSigning(); err == nil || !strings.Contains(err.Error(), "configure cfssl") {
+	if _, _, err := signing(nil); err == nil || !strings.Contains(err.Error(), "configure cfssl") {
 		t.Errorf("no ca.key and no cfssl: %v, want the way out named", err)
 	}
 
@@ -41,13 +38,13 @@ func TestKubeletSigning(t *testing.T) {
 	if err := os.WriteFile(keyFile, []byte("not hex\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := agentWith(cfg).kubeletSigning(); err == nil || !strings.Contains(err.Error(), "not hexadecimal") || strings.Contains(err.Error(), "not hex\n") {
+	if _, _, err := signing(cfg); err == nil || !strings.Contains(err.Error(), "not hexadecimal") || strings.Contains(err.Error(), "not hex\n") {
 		t.Errorf("a malformed auth key: %v", err)
 	}
 	if err := os.WriteFile(keyFile, []byte("00112233445566778899aabbccddeeff\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	got, signer, err := agentWith(cfg).kubeletSigning()
+	got, signer, err := signing(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +59,7 @@ func TestKubeletSigning(t *testing.T) {
 	if err := nodestate.WriteFile(filepath.Join(paths.PKIDir(), "ca.key"), mustKeyPEM(t, ca), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	got, signer, err = agentWith(nil).kubeletSigning()
+	got, signer, err = signing(nil)
 	if err != nil || got.Key == nil || signer != nil {
 		t.Errorf("with ca.key and no cfssl: CA key %v, signer %v, %v; want the CA's own key", got.Key != nil, signer, err)
 	}

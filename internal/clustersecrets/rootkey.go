@@ -1,12 +1,10 @@
-package provider
+package clustersecrets
 
 import (
 	"encoding/base64"
 	"errors"
 	"fmt"
 	"strings"
-
-	"github.com/berthlabs/berth/internal/clustersecrets"
 )
 
 // maxRootKeyText bounds the text decoded, so a file passed by mistake is refused before it is copied around.
@@ -15,9 +13,9 @@ const maxRootKeyText = 4096
 // rootKeyHint tells operators how to make a root key; it appears in errors, never with the value given.
 const rootKeyHint = "make one with: head -c 32 /dev/urandom | base64"
 
-// parseRootKey decodes a root key written in base64, with the standard or the URL-safe alphabet, padded or
+// ParseRootKey decodes a root key written in base64, with the standard or the URL-safe alphabet, padded or
 // not; whitespace around it (a trailing newline from file()) is ignored. Errors never contain the text.
-func parseRootKey(text string) ([]byte, error) {
+func ParseRootKey(text string) ([]byte, error) {
 	text = strings.TrimSpace(text)
 	if text == "" {
 		return nil, errors.New("the root key is empty; " + rootKeyHint)
@@ -30,9 +28,9 @@ func parseRootKey(text string) ([]byte, error) {
 		if err != nil {
 			continue
 		}
-		if len(root) < clustersecrets.MinRootKeySize {
+		if len(root) < MinRootKeySize {
 			return nil, fmt.Errorf("the root key decodes to %d bytes, want at least %d random bytes; %s",
-				len(root), clustersecrets.MinRootKeySize, rootKeyHint)
+				len(root), MinRootKeySize, rootKeyHint)
 		}
 		return root, nil
 	}

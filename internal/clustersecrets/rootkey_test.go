@@ -1,4 +1,4 @@
-package provider
+package clustersecrets
 
 import (
 	"bytes"
@@ -20,7 +20,7 @@ func TestParseRootKey(t *testing.T) {
 		{"trailing newline", base64.StdEncoding.EncodeToString(key[:32]) + "\n"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseRootKey(tt.text)
+			got, err := ParseRootKey(tt.text)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -29,7 +29,7 @@ func TestParseRootKey(t *testing.T) {
 			}
 		})
 	}
-	if got, err := parseRootKey(base64.StdEncoding.EncodeToString(key)); err != nil || !bytes.Equal(got, key) {
+	if got, err := ParseRootKey(base64.StdEncoding.EncodeToString(key)); err != nil || !bytes.Equal(got, key) {
 		t.Errorf("33-byte key: %x, %v", got, err)
 	}
 }
@@ -47,7 +47,7 @@ func TestParseRootKeyRefuses(t *testing.T) {
 		{"huge", strings.Repeat("A", 5000), "more than 4096"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := parseRootKey(tt.text)
+			_, err := ParseRootKey(tt.text)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one containing %q", err, tt.want)
 			}

@@ -1,0 +1,216 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/yaml"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/clustersecrets"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+)
+
+// DefaultServiceConfigPath is where a join service beside an external control plane reads its configuration.
+const DefaultServiceConfigPath = "/etc/berth/join-service.yaml"
+
+// ServiceConfig configures a join service that runs outside the cluster, beside a control plane kubeadm did
+// not make (berth-agent joinservice --service-config, as a systemd service). It joins workers only, with the
+// kubelet method: nodes get a kubelet client certificate signed through CFSSL (or the CA key, if given
+// here), the API server's endpoint and CA, and no bootstrap token.
+type ServiceConfig struct {
+	// Listen is host:port to listen on, such as 10.0.0.5:7450.
+	Listen string `json:"listen"`
+	// ServerAddresses and ServerNames are what the service's certificate names (it is issued by the join CA
+	// at each start); nodes dial the user-data's joinEndpoints. Default: the listen host, if it is an IP.
+	ServerAddresses []string `json:"serverAddresses,omitempty"`
+	ServerNames     []string `json:"serverNames,omitempty"`
+
+	// InventoryFile lists the machines that may join (name, role worker, addresses), the service's record
+	// of who a connecting address is; MetadataURL names a metadata service with those records instead.
+	// Exactly one is set.
+	InventoryFile string `json:"inventoryFile,omitempty"`
+	MetadataURL   string `json:"metadataURL,omitempty"`
+
+	// APIServerEndpoint is host:port of the API server as nodes reach it.
+	APIServerEndpoint string `json:"apiServerEndpoint"`
+	// Kubeconfig holds the service's own credentials at the API server: it keeps its record of which TPM
+	// owns each state disk in kube-system ConfigMaps, and reads the policy ConfigMap if PolicyFile is not set.
+	Kubeconfig string `json:"kubeconfig"`
+	// KubernetesCA is the cluster CA's certificate (PEM): nodes trust the API server by it, and kubelet
+	// certificates must be signed by it.
+	KubernetesCA string `json:"kubernetesCA"`
+	// CFSSL signs kubelet client certificates; KubernetesCAKey, a PEM key file, signs them here instead.
+	// Exactly one is set.
+	CFSSL           *CFSSLConfig `json:"cfssl,omitempty"`
+	KubernetesCAKey string       `json:"kubernetesCAKey,omitempty"`
+
+	// RootKeyFile holds the cluster's root key (base64, the one berth_secrets was made with): the master
+	// secret, salt and join CA key derive from it. Readable by the service's user only.
+	RootKeyFile string `json:"rootKeyFile"`
+	// JoinCACertificate is berth_secrets' join_ca_certificate (PEM); nodes pin it (join_ca_pin).
+	JoinCACertificate string `json:"joinCACertificate"`
+	// EKCABundle is a PEM file of the TPM vendors' EK CAs.
+	EKCABundle string `json:"ekCABundle"`
+	// PolicyFile is the join policy (berth_join_policy's document); without it the service reads the
+	// ConfigMap PolicyConfigMap in kube-system (default berth-join-policy).
+	PolicyFile      string `json:"policyFile,omitempty"`
+	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
+
+	// ClusterDNS and ClusterDomain go to every node's kubelet configuration.
+	ClusterDNS    []string `json:"clusterDNS,omitempty"`
+	ClusterDomain string   `json:"clusterDomain,omitempty"`
+	// KubernetesVersion is told to nodes with their ticket, for their logs; optional.
+	KubernetesVersion string `json:"kubernetesVersion,omitempty"`
+	// Timeout bounds one node's whole exchange; default 30s.
+	Timeout Duration `json:"timeout,omitempty"`
+}
+
+// LoadServiceConfig reads a join service configuration file and checks it.
+func LoadServiceConfig(path string) (*ServiceConfig, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("reading join service configuration: %w", err)
+	}
+	var c ServiceConfig
+	if err := yaml.UnmarshalStrict(data, &c); err != nil {
+		return nil, fmt.Errorf("parsing join service configuration %s: %w", path, err)
+	}
+	if c.PolicyConfigMap == "" {
+		c.PolicyConfigMap = "berth-join-policy"
+	}
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("join service configuration %s: %w", path, err)
+	}
+	return &c, nil
+}
+
+// Validate says everything that is missing or wrong at once.
+func (c *ServiceConfig) Validate() error {
+	var errs []error
+	required := func(name, v string) {
+		if v == "" {
+			errs = append(errs, fmt.Errorf("%s is required", name))
+		}
+	}
+	required("listen", c.Listen)
+	required("apiServerEndpoint", c.APIServerEndpoint)
+	required("kubeconfig", c.Kubeconfig)
+	required("kubernetesCA", c.KubernetesCA)
+	required("rootKeyFile", c.RootKeyFile)
+	required("joinCACertificate", c.JoinCACertificate)
+	required("ekCABundle", c.EKCABundle)
+	if c.Listen != "" {
+		if _, err := netip.ParseAddrPort(c.Listen); err != nil {
+			errs = append(errs, fmt.Errorf("listen %q is not ip:port: %w", c.Listen, err))
+		}
+	}
+	if c.APIServerEndpoint != "" {
+		if _, _, err := net.SplitHostPort(c.APIServerEndpoint); err != nil {
+			errs = append(errs, fmt.Errorf("apiServerEndpoint %q is not host:port", c.APIServerEndpoint))
+		}
+	}
+	for _, a := range c.ServerAddresses {
+		if _, err := netip.ParseAddr(a); err != nil {
+			errs = append(errs, fmt.Errorf("serverAddresses: %q is not an IP address", a))
+		}
+	}
+	if (c.InventoryFile == "") == (c.MetadataURL == "") {
+		errs = append(errs, errors.New("set exactly one of inventoryFile and metadataURL"))
+	}
+	if (c.CFSSL == nil) == (c.KubernetesCAKey == "") {
+		errs = append(errs, errors.New("set exactly one of cfssl and kubernetesCAKey: kubelet certificates are signed by one of them"))
+	}
+	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
+		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
+	}
+	for _, s := range c.ClusterDNS {
+		if _, err := netip.ParseAddr(s); err != nil {
+			errs = append(errs, fmt.Errorf("clusterDNS: %q is not an IP address", s))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ServeStandalone runs the join service of cfg until ctx ends. Everything it reads is checked before it
+// listens, so a service that starts serves.
+func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), log *slog.Logger) error {
+	log = log.With("component", "join-service")
+	rootText, err := os.ReadFile(cfg.RootKeyFile)
+	if err != nil {
+		return fmt.Errorf("join service: root key: %w", err)
+	}
+	root, err := clustersecrets.ParseRootKey(string(rootText))
+	if err != nil {
+		return fmt.Errorf("join service: root key %s: %w", cfg.RootKeyFile, err)
+	}
+	secrets, err := clustersecrets.Derive(root)
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
+	joinCertPEM, err := os.ReadFile(cfg.JoinCACertificate)
+	if err != nil {
+		return fmt.Errorf("join service: join CA: %w", err)
+	}
+	joinCA, err := secrets.JoinCA(joinCertPEM)
+	if err != nil {
+		return fmt.Errorf("join service: %s and %s: %w", cfg.JoinCACertificate, cfg.RootKeyFile, err)
+	}
+	kubeCA, signer, err := kubeletSigning(cfg.KubernetesCA, cfg.KubernetesCAKey, cfg.CFSSL, log)
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
+	verifier, err := ekVerifier(cfg.EKCABundle)
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
+	var instances joinservice.InstanceLookup = &metadata.Client{BaseURL: cfg.MetadataURL}
+	if cfg.InventoryFile != "" {
+		inv := &metadata.Inventory{Path: cfg.InventoryFile}
+		if _, err := metadata.ParseInventory(cfg.InventoryFile); err != nil {
+			return fmt.Errorf("join service: %w", err)
+		}
+		instances = inv
+	}
+	kube, err := kubeClient(cfg.Kubeconfig)
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
+	var ips []net.IP
+	for _, a := range cfg.ServerAddresses {
+		ips = append(ips, netip.MustParseAddr(a).AsSlice())
+	}
+	if len(ips) == 0 && len(cfg.ServerNames) == 0 {
+		ap := netip.MustParseAddrPort(cfg.Listen)
+		if ap.Addr().IsUnspecified() {
+			return fmt.Errorf("join service: listen %s names no address for the certificate: set serverAddresses or serverNames", cfg.Listen)
+		}
+		ips = []net.IP{ap.Addr().AsSlice()}
+	}
+	return serveJoins(ctx, joinServer{
+		listen: cfg.Listen, names: cfg.ServerNames, ips: ips, kube: kube,
+		policyFile: cfg.PolicyFile, policyConfigMap: cfg.PolicyConfigMap, log: log,
+	}, joinservice.Config{
+		Verifier:          verifier,
+		Instances:         instances,
+		Disks:             &joinservice.KubeDisks{Client: kube},
+		MasterSecret:      secrets.MasterSecret,
+		Salt:              secrets.Salt,
+		KubernetesCA:      kubeCA,
+		KubeletSigner:     signer,
+		APIServerEndpoint: cfg.APIServerEndpoint,
+		KubernetesVersion: cfg.KubernetesVersion,
+		JoinCA:            joinCA,
+		Method:            berthv1.JoinMethod_JOIN_METHOD_KUBELET,
+		Kubelet:           &berthv1.KubeletSettings{ClusterDns: cfg.ClusterDNS, ClusterDomain: cfg.ClusterDomain},
+		Timeout:           cfg.Timeout.Duration,
+		Logger:            log,
+	})
+}
