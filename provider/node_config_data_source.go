@@ -2,32 +2,18 @@ package provider
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"strings"
-	"unicode/utf8"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/types"
-	"k8s.io/apimachinery/pkg/util/validation"
-	"sigs.k8s.io/yaml"
 
+	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
-const (
-	defaultJoinPort = 7450
-	// maxUserData is AWS EC2's limit on user-data before base64 encoding, the smallest of the clouds'.
-	maxUserData = 16 * 1024
-	// userDataPath is where cloud-init writes the user-data for berth-agent.
-	userDataPath = "/etc/berth/user-data.json"
-	// maxHostname is the longest hostname Linux takes (sethostname(2), systemd's hostname checks). cloud-init
-	// checks nothing itself and passes the name on, so a longer one would fail on the node rather than here.
-	maxHostname = 64
-)
+const defaultJoinPort = 7450
 
 var (
 	_ datasource.DataSource                   = (*nodeConfigDataSource)(nil)
@@ -65,7 +51,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			"**Bare-metal nodes.** Machines without an instance-metadata service, bare-metal or PXE-booted, can " +
 			"join as workers a cluster whose control plane runs elsewhere, through a standalone Berth join " +
 			"service: set `bare_metal = true` for them. Such a node reads its user-data from the file " +
-			"`cloud_init` writes, so its image must set `userDataFile: " + userDataPath + "` in berth-agent's " +
+			"`cloud_init` writes, so its image must set `userDataFile: " + cloudinit.UserDataPath + "` in berth-agent's " +
 			"`agent.yaml` and have cloud-init apply `cloud_init` (for example NoCloud with a seed URL on the PXE " +
 			"kernel command line). It finds the join service only through `join_endpoints`. It takes its " +
 			"Kubernetes node name from its hostname and its address from its network interface; the join " +
@@ -73,7 +59,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			"hostname differs from the recorded name. So give each machine its inventory name: one data source " +
 			"per machine with `hostname` set (for example `for_each` over the inventory, one PXE profile each), " +
 			"unless the machines get their names another way.\n\n" +
-			fmt.Sprintf("Fails when the cloud-init document is larger than %d bytes (16 KiB, AWS EC2's limit).", maxUserData),
+			fmt.Sprintf("Fails when the cloud-init document is larger than %d bytes (16 KiB, AWS EC2's limit).", cloudinit.MaxSize),
 		Attributes: map[string]schema.Attribute{
 			"cluster_name": schema.StringAttribute{
 				Required:            true,
@@ -106,7 +92,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 				Optional: true,
 				Computed: true,
 				MarkdownDescription: "`true` for nodes without an instance-metadata service (see above); their image " +
-					"must set `userDataFile: " + userDataPath + "` in `agent.yaml`. Requires `join_endpoints` and " +
+					"must set `userDataFile: " + cloudinit.UserDataPath + "` in `agent.yaml`. Requires `join_endpoints` and " +
 					"refuses `init_secret_hash`: such nodes are workers of an external control plane and never " +
 					"initialize a cluster. It does not change `json`: `agent.yaml`, not the user-data, tells the agent " +
 					"there is no metadata service. Default `false`.",
@@ -121,7 +107,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 					"`bare_metal` nodes, set to the machine's name in the join service's inventory; cloud nodes take " +
 					"their name from the instance metadata. " +
 					fmt.Sprintf("A Kubernetes node name (a lowercase DNS-1123 subdomain) of at most %d characters, the "+
-						"longest hostname Linux takes. It does not change `json`.", maxHostname),
+						"longest hostname Linux takes. It does not change `json`.", cloudinit.MaxHostname),
 			},
 			"json": schema.StringAttribute{
 				Computed:            true,
@@ -129,7 +115,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			},
 			"cloud_init": schema.StringAttribute{
 				Computed: true,
-				MarkdownDescription: "A `#cloud-config` document that writes `json` to `" + userDataPath + "` (mode " +
+				MarkdownDescription: "A `#cloud-config` document that writes `json` to `" + cloudinit.UserDataPath + "` (mode " +
 					"0644), and sets the hostname when `hostname` is set; give it to the instance as user-data.",
 			},
 			"size_bytes": schema.Int64Attribute{
@@ -154,7 +140,7 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 		return
 	}
 	if known(hostname) {
-		if err := validateHostname(hostname.ValueString()); err != nil {
+		if err := cloudinit.ValidateHostname(hostname.ValueString()); err != nil {
 			resp.Diagnostics.AddAttributeError(path.Root("hostname"), "Invalid hostname", err.Error())
 		}
 	}
@@ -198,7 +184,7 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		JoinCAPin:      m.JoinCAPin.ValueString(),
 		InitSecretHash: m.InitSecretHash.ValueString(),
 	}
-	doc, cloudInit, err := renderUserData(u, m.Hostname.ValueString())
+	doc, cloudInit, err := cloudinit.Render(u, m.Hostname.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddError("Invalid node configuration", err.Error())
 		return
@@ -207,78 +193,4 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 	m.CloudInit = types.StringValue(cloudInit)
 	m.SizeBytes = types.Int64Value(int64(len(cloudInit)))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
-}
-
-// validateHostname checks that name can be both the machine's hostname and its Kubernetes node name.
-func validateHostname(name string) error {
-	if name == "" {
-		return errors.New("hostname is empty; leave it unset to keep the machine's own hostname")
-	}
-	if i := strings.IndexFunc(name, notNodeNameChar); i >= 0 {
-		r, _ := utf8.DecodeRuneInString(name[i:])
-		return fmt.Errorf("hostname %q: %q at byte %d is not a lowercase letter, digit, '-' or '.', the only "+
-			"characters of a Kubernetes node name", name, r, i)
-	}
-	if msgs := validation.IsDNS1123Subdomain(name); len(msgs) > 0 {
-		return fmt.Errorf("hostname %q is not a Kubernetes node name: %s", name, strings.Join(msgs, "; "))
-	}
-	if len(name) > maxHostname {
-		return fmt.Errorf("hostname %q has %d characters; Linux takes at most %d, so the node would not get "+
-			"this name", name, len(name), maxHostname)
-	}
-	return nil
-}
-
-func notNodeNameChar(r rune) bool {
-	return (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '-' && r != '.'
-}
-
-// cloudConfig is the part of cloud-init's #cloud-config that Berth uses.
-type cloudConfig struct {
-	Hostname         string      `json:"hostname,omitempty"`
-	FQDN             string      `json:"fqdn,omitempty"`
-	PreserveHostname *bool       `json:"preserve_hostname,omitempty"`
-	WriteFiles       []writeFile `json:"write_files"`
-}
-
-type writeFile struct {
-	Path        string `json:"path"`
-	Content     string `json:"content"`
-	Owner       string `json:"owner"`
-	Permissions string `json:"permissions"`
-}
-
-// renderUserData returns the user-data as JSON and as a #cloud-config document that writes that JSON to
-// userDataPath and, unless hostname is empty, sets the machine's hostname. The document is marshalled, not
-// templated, so no value can break out of its YAML string.
-func renderUserData(u metadata.UserData, hostname string) (doc, cloudInit string, err error) {
-	if err := u.Validate(); err != nil {
-		return "", "", err
-	}
-	data, err := json.Marshal(u)
-	if err != nil {
-		return "", "", fmt.Errorf("encoding user-data: %w", err)
-	}
-	cc := cloudConfig{WriteFiles: []writeFile{{
-		Path: userDataPath, Content: string(data), Owner: "root:root", Permissions: "0644",
-	}}}
-	if hostname != "" {
-		if err := validateHostname(hostname); err != nil {
-			return "", "", err
-		}
-		// cloud-init sets the short name or the FQDN depending on the distribution; both the same name makes
-		// the hostname that name everywhere.
-		preserve := false
-		cc.Hostname, cc.FQDN, cc.PreserveHostname = hostname, hostname, &preserve
-	}
-	body, err := yaml.Marshal(cc)
-	if err != nil {
-		return "", "", fmt.Errorf("encoding cloud-init document: %w", err)
-	}
-	cloudInit = "#cloud-config\n" + string(body)
-	if len(cloudInit) > maxUserData {
-		return "", "", fmt.Errorf("the cloud-init user-data is %d bytes, more than the %d bytes (16 KiB) AWS EC2 "+
-			"accepts; list fewer join_endpoints", len(cloudInit), maxUserData)
-	}
-	return string(data), cloudInit, nil
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-testing/terraform"
 	"sigs.k8s.io/yaml"
 
+	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
 )
@@ -59,18 +60,18 @@ func checkCloudInit(addr string, want metadata.UserData, wantHostname string) re
 		if !strings.HasPrefix(doc, "#cloud-config\n") {
 			return fmt.Errorf("%s.cloud_init does not start with #cloud-config", addr)
 		}
-		var cc cloudConfig
+		var cc cloudinit.Config
 		if err := yaml.UnmarshalStrict([]byte(doc), &cc); err != nil {
 			return fmt.Errorf("%s.cloud_init is not YAML: %w", addr, err)
 		}
-		if len(cc.WriteFiles) != 1 || cc.WriteFiles[0] != (writeFile{Path: "/etc/berth/user-data.json",
+		if len(cc.WriteFiles) != 1 || cc.WriteFiles[0] != (cloudinit.WriteFile{Path: "/etc/berth/user-data.json",
 			Content: a["json"], Owner: "root:root", Permissions: "0644"}) {
 			return fmt.Errorf("%s.cloud_init writes %+v", addr, cc.WriteFiles)
 		}
 		if err := checkHostname(cc, wantHostname); err != nil {
 			return fmt.Errorf("%s.cloud_init: %w", addr, err)
 		}
-		if a["size_bytes"] != strconv.Itoa(len(doc)) || len(doc) > maxUserData {
+		if a["size_bytes"] != strconv.Itoa(len(doc)) || len(doc) > cloudinit.MaxSize {
 			return fmt.Errorf("%s.size_bytes = %s for %d bytes", addr, a["size_bytes"], len(doc))
 		}
 		return nil
@@ -128,44 +129,11 @@ func TestNodeConfigDataSource(t *testing.T) {
 	})
 }
 
-func TestRenderUserDataLimit(t *testing.T) {
-	u := metadata.UserData{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin}
-	_, small, err := renderUserData(u, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Grow the document with endpoints until it passes the limit: the last size accepted is at most the limit.
-	last := len(small)
-	for i := 0; ; i++ {
-		u.JoinEndpoints = append(u.JoinEndpoints, fmt.Sprintf("join-%04d.example.internal:7450", i))
-		_, doc, err := renderUserData(u, "")
-		if err != nil {
-			if !strings.Contains(err.Error(), "16 KiB") || last > maxUserData {
-				t.Fatalf("after %d bytes accepted: %v", last, err)
-			}
-			return
-		}
-		last = len(doc)
-	}
-}
 
-func TestRenderUserDataRefusesInvalid(t *testing.T) {
-	for _, u := range []metadata.UserData{
-		{ClusterName: "Prod", JoinPort: 7450, JoinCAPin: testPin},
-		{ClusterName: "prod", JoinPort: 7450, JoinCAPin: "sha256:xyz"},
-		{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin, InitSecretHash: "plain-text-secret"},
-	} {
-		if _, _, err := renderUserData(u, ""); err == nil {
-			t.Errorf("rendered invalid user-data %+v", u)
-		} else if strings.Contains(err.Error(), "plain-text-secret") {
-			t.Errorf("error echoes the init secret hash field: %v", err)
-		}
-	}
-}
 
 // checkHostname checks that cc sets the hostname to want the way cloud-init does it on every distribution,
 // or does not touch the hostname when want is empty.
-func checkHostname(cc cloudConfig, want string) error {
+func checkHostname(cc cloudinit.Config, want string) error {
 	preserve := "unset"
 	if cc.PreserveHostname != nil {
 		preserve = strconv.FormatBool(*cc.PreserveHostname)
@@ -282,72 +250,4 @@ func TestNodeConfigBareMetal(t *testing.T) {
 	})
 }
 
-func TestRenderUserDataHostname(t *testing.T) {
-	u := metadata.UserData{ClusterName: "prod", JoinEndpoints: []string{"join.rack1.example.internal:7450"},
-		JoinPort: 7450, JoinCAPin: testPin}
-	plain, _, err := renderUserData(u, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, name := range []string{"rack1-node07", "rack1-node07.dc1.example.com", strings.Repeat("a", 64)} {
-		doc, cloudInit, err := renderUserData(u, name)
-		if err != nil {
-			t.Fatalf("hostname %q: %v", name, err)
-		}
-		if doc != plain {
-			t.Errorf("hostname %q changed the JSON: %s, want %s", name, doc, plain)
-		}
-		var cc cloudConfig
-		if err := yaml.UnmarshalStrict([]byte(cloudInit), &cc); err != nil {
-			t.Fatalf("hostname %q: cloud_init is not YAML: %v", name, err)
-		}
-		if err := checkHostname(cc, name); err != nil {
-			t.Errorf("hostname %q: %v", name, err)
-		}
-		if len(cc.WriteFiles) != 1 || cc.WriteFiles[0].Path != userDataPath || cc.WriteFiles[0].Content != plain {
-			t.Errorf("hostname %q: cloud_init writes %+v", name, cc.WriteFiles)
-		}
-		// cloud-init reads YAML 1.1: preserve_hostname must be the boolean false, not a string.
-		var keys map[string]any
-		if err := yaml.Unmarshal([]byte(cloudInit), &keys); err != nil {
-			t.Fatal(err)
-		}
-		if len(keys) != 4 || keys["preserve_hostname"] != false || keys["hostname"] != name || keys["fqdn"] != name {
-			t.Errorf("hostname %q: cloud_init has %v", name, keys)
-		}
-	}
-}
 
-func TestValidateHostname(t *testing.T) {
-	for _, tt := range []struct {
-		name, wantErr string
-	}{
-		{name: "rack1-node07"},
-		{name: "rack1-node07.dc1.example.com"},
-		{name: "0"},
-		{name: strings.Repeat("a", 64)},
-		{name: "", wantErr: "hostname is empty"},
-		{name: "Rack1", wantErr: `'R' at byte 0 is not a lowercase letter`},
-		{name: "rack1_node07", wantErr: `'_' at byte 5`},
-		{name: "rack1 node07", wantErr: `' ' at byte 5`},
-		{name: "node\nruncmd: [reboot]", wantErr: `'\n' at byte 4`},
-		{name: "nöde", wantErr: `'ö' at byte 1`},
-		{name: "-rack1", wantErr: "is not a Kubernetes node name"},
-		{name: "rack1-", wantErr: "is not a Kubernetes node name"},
-		{name: "rack1..example", wantErr: "is not a Kubernetes node name"},
-		{name: "rack1.example.", wantErr: "is not a Kubernetes node name"},
-		{name: strings.Repeat("a", 65), wantErr: "has 65 characters; Linux takes at most 64"},
-		{name: strings.Repeat("a", 254), wantErr: "must be no more than 253 characters"},
-	} {
-		err := validateHostname(tt.name)
-		switch {
-		case tt.wantErr == "" && err != nil:
-			t.Errorf("validateHostname(%q) = %v, want nil", tt.name, err)
-		case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
-			t.Errorf("validateHostname(%q) = %v, want an error with %q", tt.name, err, tt.wantErr)
-		}
-	}
-	if _, _, err := renderUserData(metadata.UserData{ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin}, "Rack1"); err == nil {
-		t.Error("renderUserData took hostname Rack1")
-	}
-}

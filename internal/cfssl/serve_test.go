@@ -128,4 +128,15 @@ func TestCFSSLServe(t *testing.T) {
 		}
 		t.Logf("as an operator sees it: %v", err)
 	})
+
+	t.Run("restarted", func(t *testing.T) {
+		srv.Restart(t)
+		cert, err := signer.Sign(context.Background(), req)
+		if err != nil {
+			t.Fatalf("Sign after restart: %v\ncfssl log:\n%s", err, srv.Log())
+		}
+		if rec, ok := srv.Recorded(t, cert.SerialNumber); !ok || rec.Status != "good" {
+			t.Errorf("after restart the database has %+v (found %v)", rec, ok)
+		}
+	})
 }

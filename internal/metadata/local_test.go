@@ -12,7 +12,6 @@ import (
 	"time"
 )
 
-
 func writeUserData(t *testing.T, u any) string {
 	t.Helper()
 	data, err := json.Marshal(u)

@@ -40,9 +40,18 @@ type Server struct {
 	DB         string            // the sqlite certificate database
 
 	log     *syncBuffer
-	stop    sync.Once
+	bin     string
+	args    []string
+	mu      sync.Mutex
 	process *os.Process
 	exited  chan struct{}
+}
+
+// Options change what StartWith runs; the zero value is what Start runs.
+type Options struct {
+	// CA, key included, is the CA cfssl signs with instead of a fresh one: a test's cluster CA, whose API
+	// server accepts the kubelet certificates cfssl signs.
+	CA *pki.CA
 }
 
 // unauthenticatedEndpoints are the cfssl serve endpoints that sign, revoke or write the database without
@@ -57,6 +66,12 @@ var unauthenticatedEndpoints = []string{
 // the test ends.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	return StartWith(t, Options{})
+}
+
+// StartWith is Start with options.
+func StartWith(t testing.TB, o Options) *Server {
+	t.Helper()
 	bin := binary(t)
 	dir := t.TempDir()
 	keyHex := randomKeyHex(t)
@@ -68,10 +83,10 @@ func Start(t testing.TB) *Server {
 		Profile:    "kubelet",
 		AuthKey:    key,
 		AuthKeyHex: keyHex,
-		CA:         writeCA(t, dir),
+		CA:         writeCA(t, dir, o.CA),
 		DB:         filepath.Join(dir, "certs.db"),
 		log:        &syncBuffer{},
-		exited:     make(chan struct{}),
+		bin:        bin,
 	}
 
 	sqlite(t, s.DB, schema(t))
@@ -103,33 +118,50 @@ func Start(t testing.TB) *Server {
 	ln.Close()
 	s.URL = "http://127.0.0.1:" + strconv.Itoa(port)
 
-	cmd := exec.Command(bin, "serve", "-address", "127.0.0.1", "-port", strconv.Itoa(port),
+	s.args = []string{"serve", "-address", "127.0.0.1", "-port", strconv.Itoa(port),
 		"-ca", filepath.Join(dir, "ca.pem"), "-ca-key", filepath.Join(dir, "ca-key.pem"),
 		"-config", filepath.Join(dir, "config.json"), "-db-config", filepath.Join(dir, "db.json"),
-		"-disable", strings.Join(unauthenticatedEndpoints, ","))
+		"-disable", strings.Join(unauthenticatedEndpoints, ",")}
+	t.Cleanup(s.Stop)
+	s.run(t)
+	return s
+}
+
+// Restart starts cfssl serve again on the same address, CA, configuration and database after Stop.
+func (s *Server) Restart(t testing.TB) {
+	t.Helper()
+	s.Stop()
+	s.run(t)
+}
+
+// run starts cfssl serve and waits until it answers; a cfssl that exits or never answers fails the test.
+func (s *Server) run(t testing.TB) {
+	t.Helper()
+	cmd := exec.Command(s.bin, s.args...)
 	cmd.Stdout, cmd.Stderr = s.log, s.log
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting cfssl serve: %v", err)
 	}
-	s.process = cmd.Process
+	exited := make(chan struct{})
 	go func() {
 		_ = cmd.Wait()
-		close(s.exited)
+		close(exited)
 	}()
-	t.Cleanup(s.Stop)
+	s.mu.Lock()
+	s.process, s.exited = cmd.Process, exited
+	s.mu.Unlock()
 
-	// Ready when health answers; a cfssl that exits or never answers fails the test.
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		resp, err := http.Get(s.URL + "/api/v1/cfssl/health")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
-				return s
+				return
 			}
 		}
 		select {
-		case <-s.exited:
+		case <-exited:
 			t.Fatalf("cfssl serve exited before it was ready:\n%s", s.log)
 		case <-time.After(20 * time.Millisecond):
 		}
@@ -142,10 +174,14 @@ func Start(t testing.TB) *Server {
 // Stop kills cfssl serve and waits until it has exited, for tests of a signer that is down; stopping
 // again does nothing.
 func (s *Server) Stop() {
-	s.stop.Do(func() {
-		_ = s.process.Kill()
-		<-s.exited
-	})
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.process == nil {
+		return
+	}
+	_ = s.process.Kill()
+	<-s.exited
+	s.process = nil
 }
 
 // Log is what cfssl has logged so far, for failure messages.
@@ -249,13 +285,15 @@ func sqlite(t testing.TB, db, stmt string) string {
 	return strings.TrimSpace(string(out))
 }
 
-// writeCA writes a fresh CA as cfssl serve reads it (PEM certificate, PKCS#8 key) and returns its
-// certificate.
-func writeCA(t testing.TB, dir string) *x509.Certificate {
+// writeCA writes ca, or a fresh CA if nil, as cfssl serve reads it (PEM certificate, PKCS#8 key) and
+// returns its certificate.
+func writeCA(t testing.TB, dir string, ca *pki.CA) *x509.Certificate {
 	t.Helper()
-	ca, err := pki.NewCA("Berth test kubelet CA", time.Now(), 48*time.Hour)
-	if err != nil {
-		t.Fatal(err)
+	if ca == nil {
+		var err error
+		if ca, err = pki.NewCA("Berth test kubelet CA", time.Now(), 48*time.Hour); err != nil {
+			t.Fatal(err)
+		}
 	}
 	key, err := ca.KeyPEM()
 	if err != nil {
