@@ -16,6 +16,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -34,6 +35,10 @@ type Machine struct {
 	// UserData is what berth_node_config renders; every node of a lab shares one, except that only
 	// control-plane nodes need carry the init secret's hash.
 	UserData metadata.UserData
+	// CloudInit, if set, makes the machine bare metal: its agent has no metadata service, and the lab does
+	// cloud-init's part with this #cloud-config (berth_node_config's cloud_init with bare_metal): it writes
+	// its files and sets its hostname at every power-on. UserData is then the one it writes.
+	CloudInit string
 }
 
 // AddNode adds a machine to the lab and powers it on: it lists the node in the metadata and the nodes'
@@ -43,6 +48,13 @@ type Machine struct {
 func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("adding a lab node needs root")
+	}
+	if m.CloudInit != "" {
+		ud, err := cloudInitUserData(m.CloudInit)
+		if err != nil {
+			return nil, fmt.Errorf("node %s: %w", m.Name, err)
+		}
+		m.UserData = ud
 	}
 	if err := checkMachine(m); err != nil {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
@@ -132,6 +144,20 @@ func (l *Lab) RemoveNode(ctx context.Context, name string) error {
 	}))
 	l.Nodes = slices.DeleteFunc(l.Nodes, func(x *Node) bool { return x.Name == name })
 	return errors.Join(errs...)
+}
+
+// cloudInitUserData is the user-data a bare-metal machine's cloud-config writes for its agent.
+func cloudInitUserData(doc string) (metadata.UserData, error) {
+	cc, err := cloudinit.Parse(doc)
+	if err != nil {
+		return metadata.UserData{}, err
+	}
+	for _, f := range cc.WriteFiles {
+		if f.Path == cloudinit.UserDataPath {
+			return ParseUserData([]byte(f.Content))
+		}
+	}
+	return metadata.UserData{}, fmt.Errorf("the cloud-config writes no %s", cloudinit.UserDataPath)
 }
 
 // checkMachine checks what a machine asks for on its own; admit checks it against the lab's other nodes.

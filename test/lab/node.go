@@ -19,6 +19,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/swtpm"
 )
@@ -27,17 +28,24 @@ import (
 // containerd and the agent write.
 var nodeMounts = []string{
 	"/etc/kubernetes", "/var/lib/kubelet", "/var/lib/etcd", "/etc/cni/net.d", "/var/lib/cni",
-	"/var/log/pods", "/var/log/containers", "/var/lib/berth", "/run/containerd", "/run/netns",
+	"/var/log/pods", "/var/log/containers", "/var/lib/berth", "/run/containerd", "/run/netns", "/etc/berth",
 }
 
-// Node is one lab machine: a network namespace with its own address, a private mount namespace, its own
-// swtpm, LUKS2 state-disk image, containerd and berth-agent.
+// cloudInitFile keeps a bare-metal node's #cloud-config, which the lab applies at every power-on as
+// cloud-init would.
+const cloudInitFile = "cloud-init.yaml"
+
+// Node is one lab machine: a network namespace with its own address, private mount and UTS namespaces (its
+// own hostname), its own swtpm, LUKS2 state-disk image, containerd and berth-agent.
 type Node struct {
 	Name  string
 	Role  metadata.Role
 	Addr  netip.Addr
 	Image string // one of ImageNames: what the lab's firmware measures at power-on
 	Dir   string
+	// CloudInit is the #cloud-config of a bare-metal node (Machine.CloudInit), "" for nodes that read the
+	// metadata service.
+	CloudInit string
 
 	lab      *Lab
 	holder   int // pid of the process that keeps the mount namespace
@@ -56,7 +64,7 @@ type nodeState struct {
 }
 
 func (l *Lab) newNode(m Machine) *Node {
-	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), lab: l}
+	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), CloudInit: m.CloudInit, lab: l}
 }
 
 // save records the node's processes in node.json.
@@ -64,8 +72,14 @@ func (n *Node) save() error {
 	return writeJSON(n.path("node.json"), nodeState{Holder: n.holder, Agent: n.agentPID, Booted: n.booted})
 }
 
-// load reads node.json; a node that was never powered on has none.
+// load reads node.json, and the cloud-config of a bare-metal node; a node that was never powered on has no
+// node.json.
 func (n *Node) load() error {
+	if ci, err := os.ReadFile(n.path(cloudInitFile)); err == nil {
+		n.CloudInit = string(ci)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
 	data, err := os.ReadFile(n.path("node.json"))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
@@ -83,6 +97,7 @@ func (n *Node) load() error {
 
 func (n *Node) netns() string        { return "/run/netns/" + netnsPrefix + n.Name }
 func (n *Node) mountns() string      { return fmt.Sprintf("/proc/%d/ns/mnt", n.holder) }
+func (n *Node) utsns() string        { return fmt.Sprintf("/proc/%d/ns/uts", n.holder) }
 func (n *Node) path(p string) string { return filepath.Join(n.Dir, p) }
 func (n *Node) cgroup() string       { return filepath.Join(cgroupParent, n.Name) }
 
@@ -115,7 +130,44 @@ func (n *Node) create(ctx context.Context) error {
 	if err := CreateSparse(n.path("state.img"), 64<<20); err != nil {
 		return err
 	}
+	if n.CloudInit != "" {
+		if err := os.WriteFile(n.path(cloudInitFile), []byte(n.CloudInit), 0o600); err != nil {
+			return err
+		}
+	}
 	return n.writeConfigs()
+}
+
+// applyCloudInit does cloud-init's part on a bare-metal node: the files of its #cloud-config written (the
+// lab takes them under /etc/berth only), and its hostname returned. A node without one is named by its name.
+func (n *Node) applyCloudInit() (hostname string, err error) {
+	if n.CloudInit == "" {
+		return n.Name, nil
+	}
+	cc, err := cloudinit.Parse(n.CloudInit)
+	if err != nil {
+		return "", err
+	}
+	for _, f := range cc.WriteFiles {
+		if !strings.HasPrefix(f.Path, "/etc/berth/") || !filepath.IsLocal(strings.TrimPrefix(f.Path, "/etc/berth/")) {
+			return "", fmt.Errorf("cloud-config writes %s: the lab applies files under /etc/berth only", f.Path)
+		}
+		mode, err := strconv.ParseUint(f.Permissions, 8, 32)
+		if err != nil {
+			return "", fmt.Errorf("cloud-config: permissions %q of %s: %w", f.Permissions, f.Path, err)
+		}
+		dst := n.path("fs" + f.Path)
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			return "", err
+		}
+		if err := os.WriteFile(dst, []byte(f.Content), os.FileMode(mode)); err != nil {
+			return "", err
+		}
+	}
+	if cc.Hostname != "" {
+		return cc.Hostname, nil
+	}
+	return n.Name, nil
 }
 
 // powerOn starts a node as a machine that is switched on: a fresh mount namespace over its persistent
@@ -126,7 +178,11 @@ func (n *Node) powerOn(ctx context.Context) error {
 			return err
 		}
 	}
-	if err := n.mountNamespace(ctx); err != nil {
+	hostname, err := n.applyCloudInit()
+	if err != nil {
+		return fmt.Errorf("cloud-init: %w", err)
+	}
+	if err := n.mountNamespace(ctx, hostname); err != nil {
 		return err
 	}
 	if err := n.save(); err != nil {
@@ -167,14 +223,14 @@ func (n *Node) Reboot(ctx context.Context) error {
 	return n.powerOn(ctx)
 }
 
-// mountNamespace makes the node's private mount namespace, kept by a holder process, with the node's own
-// directories over the host's.
-func (n *Node) mountNamespace(ctx context.Context) error {
+// mountNamespace makes the node's private mount and UTS namespaces, kept by a holder process, with the
+// node's own directories over the host's and hostname as its hostname.
+func (n *Node) mountNamespace(ctx context.Context, hostname string) error {
 	script, err := n.joinCgroupScript()
 	if err != nil {
 		return err
 	}
-	holder := exec.Command("unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", "sleep", "infinity")
+	holder := exec.Command("unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script, "sh", "sleep", "infinity")
 	holder.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := holder.Start(); err != nil {
 		return fmt.Errorf("mount namespace: %w", err)
@@ -189,6 +245,9 @@ func (n *Node) mountNamespace(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return errors.New("mount namespace holder did not start")
 		}
+	}
+	if _, err := run(ctx, "nsenter", "--uts="+n.utsns(), "hostname", hostname); err != nil {
+		return err
 	}
 	// The lab's names resolve locally: kubeadm looks its node's name up, and no nameserver is reachable.
 	if _, err := run(ctx, "nsenter", "--mount="+n.mountns(), "mount", "--bind", n.lab.path("hosts"), "/etc/hosts"); err != nil {
@@ -225,7 +284,7 @@ func (n *Node) startCmd(log string, args ...string) (int, <-chan error, error) {
 		return 0, nil, err
 	}
 	defer out.Close()
-	full := append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--", "sh", "-c", script, "sh"}, args...)
+	full := append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--uts=" + n.utsns(), "--", "sh", "-c", script, "sh"}, args...)
 	cmd := exec.Command("nsenter", full...)
 	// kubeadm checks the kubelet's version by running it from PATH, as on an image that installed it.
 	cmd.Env = append(os.Environ(), "PATH="+n.lab.cfg.KubeBin+":"+os.Getenv("PATH"))
@@ -241,7 +300,7 @@ func (n *Node) startCmd(log string, args ...string) (int, <-chan error, error) {
 
 // exec runs a short command inside the node and returns its output.
 func (n *Node) exec(ctx context.Context, args ...string) (string, error) {
-	return run(ctx, "nsenter", append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--"}, args...)...)
+	return run(ctx, "nsenter", append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--uts=" + n.utsns(), "--"}, args...)...)
 }
 
 // startTPM starts the node's swtpm and, as the node's firmware, measures the image into it.
@@ -353,7 +412,6 @@ state = "/run/containerd"
 		return err
 	}
 	cfg := map[string]any{
-		"metadataURL":   "http://" + metaAddr,
 		"tpm":           "unix:" + n.path("tpm/tpm.sock"),
 		"stateDisk":     n.path("state.img"),
 		"kubeadm":       filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
@@ -375,6 +433,12 @@ state = "/run/containerd"
 				"fail-swap-on": "false",
 			},
 		},
+	}
+	// A bare-metal node has no metadata service: its agent reads the user-data cloud-init wrote.
+	if n.CloudInit != "" {
+		cfg["userDataFile"] = cloudinit.UserDataPath
+	} else {
+		cfg["metadataURL"] = "http://" + metaAddr
 	}
 	data, err := yaml.Marshal(cfg)
 	if err != nil {

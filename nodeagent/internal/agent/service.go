@@ -141,8 +141,8 @@ func (c *ServiceConfig) Validate() error {
 
 // ServeStandalone runs the join service of cfg until ctx ends. Everything it reads is checked before it
 // listens, so a service that starts serves.
-func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), log *slog.Logger) error {
-	log = log.With("component", "join-service")
+func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), logger *slog.Logger) error {
+	log := logger.With("component", "join-service")
 	rootText, err := os.ReadFile(cfg.RootKeyFile)
 	if err != nil {
 		return fmt.Errorf("join service: root key: %w", err)
@@ -163,7 +163,7 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %s and %s: %w", cfg.JoinCACertificate, cfg.RootKeyFile, err)
 	}
-	kubeCA, signer, err := kubeletSigning(cfg.KubernetesCA, cfg.KubernetesCAKey, cfg.CFSSL, log)
+	kubeCA, signer, err := kubeletSigning(cfg.KubernetesCA, cfg.KubernetesCAKey, cfg.CFSSL, logger)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}

@@ -1,0 +1,407 @@
+package lab
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
+	"sigs.k8s.io/yaml"
+
+	"github.com/berthlabs/berth/internal/cfssl/cfssltest"
+	"github.com/berthlabs/berth/internal/cloudinit"
+	"github.com/berthlabs/berth/internal/clustersecrets"
+	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
+)
+
+// TestExternalControlPlane is docs/external-control-plane.md run for real: a control plane kubeadm did not
+// make (kube-apiserver and kube-controller-manager on the lab host, Node,RBAC), its CA held by a real `cfssl
+// serve` with a sqlite certificate database, and the Berth join service beside it as a process with its
+// configuration file, least-privilege credentials, an inventory and the secrets of a root key. A bare-metal
+// lab node boots with the cloud-config berth_node_config renders for it (no metadata service: user-data
+// file, hostname), attests, and its agent writes the kubelet's files itself (no kubeadm on the way):
+//   - with a wrong CFSSL auth key the operator's log says CFSSL refused authentication, the node retries
+//     and its state disk is not rekeyed;
+//   - with CFSSL down the log says it is unreachable, and again the disk keeps its key;
+//   - with CFSSL back the Node registers and becomes Ready, its kubelet's client certificate is issued by
+//     the CFSSL CA and recorded in cfssl's database, and the disk opens with its derived key alone.
+func TestExternalControlPlane(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
+	}
+	kubeBin, agent, labBin := buildTools(t)
+	dir := filepath.Join(t.TempDir(), "lab")
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	var progress strings.Builder
+	l, err := StartHost(ctx, HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin, Progress: &progress})
+	t.Cleanup(func() {
+		if err := Down(context.Background(), dir); err != nil {
+			t.Errorf("lab down: %v", err)
+		}
+		if left := Leftovers(dir); len(left) > 0 {
+			t.Errorf("the lab left behind: %v", left)
+		}
+		t.Logf("lab progress:\n%s", progress.String())
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The external control plane: its CA's key lives in CFSSL (and here, for the test's own certificates).
+	clusterCA, err := pki.NewCA("external-cluster-ca", time.Now(), 48*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA})
+	api := kubetest.StartWith(t, kubetest.Options{Address: hostAddr, CA: clusterCA, ControllerManager: true})
+	grantJoinService(ctx, t, api)
+
+	svc := newExternalService(t, l, agent, api, signer, clusterCA)
+	wrongKey := make([]byte, len(signer.AuthKey))
+	rand.Read(wrongKey)
+	svc.start(t, hex.EncodeToString(wrongKey))
+
+	node, err := l.AddNode(ctx, Machine{Name: "metal-1", Role: metadata.RoleWorker, Addr: netip.MustParseAddr("10.250.0.30"),
+		Image: ImageNames[0], CloudInit: svc.cloudInit(t, "metal-1")})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// By the time the service refuses the node, the agent has formatted its state disk.
+	svc.waitLog(t, "refused authentication")
+	uuid, err := run(ctx, "cryptsetup", "luksUUID", node.path("state.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	diskKey, err := keys.Derive(svc.secrets.MasterSecret, svc.secrets.Salt, mustLabel(t, uuid), 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFile(t, node.path("logs/agent.log"), "retrying join ticket")
+	checkNotRekeyed(t, node, diskKey)
+	if log := svc.log(t); strings.Contains(log, hex.EncodeToString(wrongKey)) || strings.Contains(log, signer.AuthKeyHex) {
+		t.Error("the join service logged a CFSSL auth key")
+	}
+
+	signer.Stop()
+	svc.restart(t, signer.AuthKeyHex)
+	svc.waitLog(t, "is unreachable")
+	checkNotRekeyed(t, node, diskKey)
+
+	signer.Restart(t)
+	var ready *corev1.Node
+	for deadline := time.Now().Add(5 * time.Minute); ready == nil; time.Sleep(time.Second) {
+		if n, err := api.Client.CoreV1().Nodes().Get(ctx, "metal-1", metav1.GetOptions{}); err == nil && nodeReady(n) {
+			ready = n
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(l.nodeFailure(node, "register", fmt.Errorf("node metal-1 not Ready\n--- join service log ---\n%s", tail(svc.log(t), 30))))
+		}
+		if err := node.agentGone(); err != nil {
+			t.Fatal(l.nodeFailure(node, "boot", err))
+		}
+	}
+	if !nodeHasAddress(ready, "10.250.0.30") {
+		t.Errorf("node metal-1 registered with addresses %v, want its own 10.250.0.30", ready.Status.Addresses)
+	}
+
+	cert, err := node.KubeletClientCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cert.CheckSignatureFrom(clusterCA.Cert); err != nil || cert.Issuer.String() != clusterCA.Cert.Subject.String() {
+		t.Errorf("kubelet certificate issued by %q is not the CFSSL CA's: %v", cert.Issuer, err)
+	}
+	if rec, ok := signer.Recorded(t, cert.SerialNumber); !ok || rec.Status != "good" || rec.CommonName != "system:node:metal-1" {
+		t.Errorf("cfssl's database has %+v (found %v) for the kubelet's serial %s", rec, ok, cert.SerialNumber.Text(16))
+	}
+	if !opens(t, node, diskKey) {
+		t.Error("the state disk does not open with its derived key")
+	}
+	if slots := keySlots(t, node); slots != 1 {
+		t.Errorf("the state disk has %d key slots, want the derived key's alone", slots)
+	}
+	agentLog, err := os.ReadFile(node.path("logs/agent.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(agentLog), `"msg":"running kubeadm"`) || !strings.Contains(string(agentLog), "the kubelet registers the node") {
+		t.Error("the node did not join by writing the kubelet's files itself")
+	}
+	secrets, err := api.Client.CoreV1().Secrets("kube-system").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range secrets.Items {
+		if s.Type == bootstrapapi.SecretTypeBootstrapToken {
+			t.Errorf("bootstrap token %s exists: a kubelet-method join needs none", s.Name)
+		}
+	}
+	if _, err := api.Client.CoreV1().ConfigMaps("kube-system").Get(ctx, "berth-disk-"+uuid, metav1.GetOptions{}); err != nil {
+		t.Errorf("the join service's record of the disk's TPM: %v", err)
+	}
+	t.Logf("node metal-1 Ready; join service log:\n%s", tail(svc.log(t), 15))
+}
+
+// grantJoinService gives the join service's identity what docs/external-control-plane.md grants: ConfigMaps
+// in kube-system (its disk-owner records, and the policy if it reads it from there), and nothing else.
+func grantJoinService(ctx context.Context, t *testing.T, api *kubetest.APIServer) {
+	t.Helper()
+	role := &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: "berth-join-service", Namespace: "kube-system"},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create"}}},
+	}
+	binding := &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "berth-join-service", Namespace: "kube-system"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "berth-join-service"},
+		Subjects:   []rbacv1.Subject{{Kind: "User", APIGroup: "rbac.authorization.k8s.io", Name: "berth-join-service"}},
+	}
+	if _, err := api.Client.RbacV1().Roles("kube-system").Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := api.Client.RbacV1().RoleBindings("kube-system").Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// externalService is the join service beside the external control plane, as its systemd unit runs it.
+type externalService struct {
+	dir, agent string
+	config     map[string]any
+	secrets    *clustersecrets.Secrets
+	joinPin    string
+	cmd        *exec.Cmd
+}
+
+const externalJoinPort = 7450
+
+func newExternalService(t *testing.T, l *Lab, agent string, api *kubetest.APIServer, signer *cfssltest.Server, clusterCA *pki.CA) *externalService {
+	t.Helper()
+	dir := t.TempDir()
+	write := func(name string, data []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	// The operator's root key, as berth_secrets was made with it; the join CA certificate is its output.
+	root := make([]byte, 32)
+	rand.Read(root)
+	secrets, err := clustersecrets.Derive(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, joinCA, err := secrets.NewCAs(time.Now(), 24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	image := ImageNames[0]
+	pol, err := (&policy.Policy{Images: []policy.Image{{Name: image, PCRs: PredictedPCRs(image), Roles: []metadata.Role{metadata.RoleWorker}}}}).Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	inventory := "- name: metal-1\n  role: worker\n  addresses: [10.250.0.30]\n"
+	_, apiPort, err := net.SplitHostPort(strings.TrimPrefix(api.URL, "https://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &externalService{dir: dir, agent: agent, secrets: secrets, joinPin: pki.SPKIPin(joinCA.Cert)}
+	s.config = map[string]any{
+		"listen":            net.JoinHostPort(hostAddr.String(), fmt.Sprint(externalJoinPort)),
+		"inventoryFile":     write("inventory.yaml", []byte(inventory)),
+		"apiServerEndpoint": net.JoinHostPort(hostAddr.String(), apiPort),
+		"kubeconfig":        write("join-service.kubeconfig", api.ClientKubeconfig(t, "berth-join-service")),
+		"kubernetesCA":      write("ca.crt", clusterCA.CertPEM()),
+		"cfssl":             map[string]string{"url": signer.URL, "profile": signer.Profile, "authKeyFile": filepath.Join(dir, "cfssl-auth-key")},
+		"rootKeyFile":       write("root-key", []byte(base64.StdEncoding.EncodeToString(root)+"\n")),
+		"joinCACertificate": write("join-ca.crt", joinCA.CertPEM()),
+		"ekCABundle":        l.EKCAPath(),
+		"policyFile":        write("join-policy.yaml", pol),
+		"clusterDNS":        []string{"10.96.0.10"},
+		"clusterDomain":     "cluster.local",
+	}
+	data, err := yaml.Marshal(s.config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write("join-service.yaml", data)
+	t.Cleanup(s.stop)
+	return s
+}
+
+// cloudInit is what berth_node_config with bare_metal and hostname renders for the node.
+func (s *externalService) cloudInit(t *testing.T, hostname string) string {
+	t.Helper()
+	_, doc, err := cloudinit.Render(metadata.UserData{ClusterName: "metal", JoinPort: externalJoinPort, JoinCAPin: s.joinPin,
+		JoinEndpoints: []string{net.JoinHostPort(hostAddr.String(), fmt.Sprint(externalJoinPort))}}, hostname)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return doc
+}
+
+// start runs `berth-agent joinservice --service-config` with authKeyHex in the CFSSL auth key file.
+func (s *externalService) start(t *testing.T, authKeyHex string) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(s.dir, "cfssl-auth-key"), []byte(authKeyHex+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := os.OpenFile(filepath.Join(s.dir, "join-service.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	cmd := exec.Command(s.agent, "joinservice", "--service-config", filepath.Join(s.dir, "join-service.yaml"))
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s.cmd = cmd
+	s.waitLog(t, `"msg":"join service listening"`)
+}
+
+func (s *externalService) restart(t *testing.T, authKeyHex string) {
+	t.Helper()
+	s.stop()
+	if err := os.Truncate(filepath.Join(s.dir, "join-service.log"), 0); err != nil {
+		t.Fatal(err)
+	}
+	s.start(t, authKeyHex)
+}
+
+func (s *externalService) stop() {
+	if s.cmd == nil {
+		return
+	}
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	s.cmd.Wait()
+	s.cmd = nil
+}
+
+func (s *externalService) log(t *testing.T) string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(s.dir, "join-service.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(data)
+}
+
+func (s *externalService) waitLog(t *testing.T, text string) {
+	t.Helper()
+	waitFile(t, filepath.Join(s.dir, "join-service.log"), text)
+}
+
+// waitFile waits until the file at path contains text.
+func waitFile(t *testing.T, path, text string) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		data, _ := os.ReadFile(path)
+		if strings.Contains(string(data), text) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q in %s:\n%s", text, path, tail(string(data), 30))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func tail(s string, lines int) string {
+	all := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(all[max(0, len(all)-lines):], "\n")
+}
+
+func mustLabel(t *testing.T, uuid string) keys.Label {
+	t.Helper()
+	label, err := keys.DiskLabel(strings.TrimSpace(uuid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return label
+}
+
+// checkNotRekeyed fails when the node's state disk took the derived key although no ticket was issued.
+func checkNotRekeyed(t *testing.T, n *Node, diskKey []byte) {
+	t.Helper()
+	if opens(t, n, diskKey) {
+		t.Fatal("the state disk was rekeyed although no ticket was issued")
+	}
+	if slots := keySlots(t, n); slots != 1 {
+		t.Fatalf("the state disk has %d key slots, want its initial key's alone", slots)
+	}
+}
+
+func opens(t *testing.T, n *Node, key []byte) bool {
+	t.Helper()
+	cmd := exec.Command("cryptsetup", "luksOpen", "--test-passphrase", "--key-file=-", n.path("state.img"))
+	cmd.Stdin = strings.NewReader(string(key))
+	out, err := cmd.CombinedOutput()
+	if ee, ok := err.(*exec.ExitError); ok && ee.ExitCode() == 2 {
+		return false
+	}
+	if err != nil {
+		t.Fatalf("cryptsetup --test-passphrase: %v: %s", err, out)
+	}
+	return true
+}
+
+func keySlots(t *testing.T, n *Node) int {
+	t.Helper()
+	out, err := exec.Command("cryptsetup", "luksDump", n.path("state.img")).CombinedOutput()
+	if err != nil {
+		t.Fatalf("cryptsetup luksDump: %v: %s", err, out)
+	}
+	slots := 0
+	inKeyslots := false
+	for _, line := range strings.Split(string(out), "\n") {
+		switch {
+		case strings.HasPrefix(line, "Keyslots:"):
+			inKeyslots = true
+		case inKeyslots && line != "" && line[0] != ' ' && line[0] != '\t':
+			inKeyslots = false
+		case inKeyslots && strings.HasSuffix(strings.TrimSpace(line), ": luks2"):
+			slots++
+		}
+	}
+	return slots
+}
+
+func nodeReady(n *corev1.Node) bool {
+	for _, c := range n.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func nodeHasAddress(n *corev1.Node, addr string) bool {
+	for _, a := range n.Status.Addresses {
+		if a.Type == corev1.NodeInternalIP && a.Address == addr {
+			return true
+		}
+	}
+	return false
+}
