@@ -28,6 +28,8 @@ func TestRun(t *testing.T) {
 		{name: "bad log level", args: []string{"status", "--config", missing, "--log-level", "loud"}, code: 2, stderr: "--log-level"},
 		{name: "missing configuration", args: []string{"boot", "--config", missing}, code: 1, stderr: "reading agent configuration"},
 		{name: "unknown configuration field", args: []string{"boot", "--config", bad}, code: 1, stderr: "unknownField"},
+		{name: "service config on boot", args: []string{"boot", "--service-config", missing}, code: 2, stderr: "--service-config is a flag of joinservice"},
+		{name: "missing service configuration", args: []string{"joinservice", "--service-config", missing}, code: 1, stderr: "reading join service configuration"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

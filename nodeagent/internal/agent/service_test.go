@@ -1,0 +1,118 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/berthlabs/berth/internal/clustersecrets"
+)
+
+const validServiceConfig = `listen: 10.0.0.5:7450
+inventoryFile: /etc/berth/inventory.yaml
+apiServerEndpoint: 10.0.0.5:6443
+kubeconfig: /etc/berth/join-service.kubeconfig
+kubernetesCA: /etc/berth/cluster-ca.pem
+cfssl: {url: "http://10.0.0.5:8888", profile: kubelet, authKeyFile: /etc/berth/cfssl.key}
+rootKeyFile: /etc/berth/root-key
+joinCACertificate: /etc/berth/join-ca.pem
+ekCABundle: /etc/berth/ek-ca.pem
+policyFile: /etc/berth/join-policy.yaml
+clusterDNS: [10.96.0.10]
+clusterDomain: cluster.local
+timeout: 20s
+`
+
+func TestLoadServiceConfig(t *testing.T) {
+	c, err := LoadServiceConfig(writeConfig(t, validServiceConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Listen != "10.0.0.5:7450" || c.CFSSL.Profile != "kubelet" || c.Timeout.Duration != 20*time.Second || c.PolicyConfigMap != "berth-join-policy" {
+		t.Errorf("loaded %+v", c)
+	}
+}
+
+func TestLoadServiceConfigRefusals(t *testing.T) {
+	tests := []struct {
+		name    string
+		content string
+		want    []string
+	}{
+		{"empty", "", []string{"listen is required", "apiServerEndpoint is required", "kubeconfig is required",
+			"kubernetesCA is required", "rootKeyFile is required", "joinCACertificate is required", "ekCABundle is required",
+			"set exactly one of inventoryFile and metadataURL", "set exactly one of cfssl and kubernetesCAKey"}},
+		{"unknown field", validServiceConfig + "bootstrapToken: x\n", []string{`unknown field "bootstrapToken"`}},
+		{"listen without port", strings.Replace(validServiceConfig, "listen: 10.0.0.5:7450", "listen: 10.0.0.5", 1), []string{`listen "10.0.0.5" is not ip:port`}},
+		{"both signers", validServiceConfig + "kubernetesCAKey: /etc/berth/ca.key\n", []string{"set exactly one of cfssl and kubernetesCAKey"}},
+		{"both record sources", validServiceConfig + "metadataURL: http://10.0.0.5:7400\n", []string{"set exactly one of inventoryFile and metadataURL"}},
+		{"incomplete cfssl", strings.Replace(validServiceConfig, "profile: kubelet, ", "", 1), []string{"cfssl needs url, profile and authKeyFile"}},
+		{"DNS not an IP", strings.Replace(validServiceConfig, "[10.96.0.10]", "[kube-dns]", 1), []string{`clusterDNS: "kube-dns" is not an IP address`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := LoadServiceConfig(writeConfig(t, tt.content))
+			if err == nil {
+				t.Fatal("configuration accepted")
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q lacks %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// TestServeStandaloneRefusesForeignJoinCA: a join CA certificate that another root key made is named as such
+// before the service reaches the API server or listens, and neither key appears in the error.
+func TestServeStandaloneRefusesForeignJoinCA(t *testing.T) {
+	dir := t.TempDir()
+	rootOf := func() ([]byte, *clustersecrets.Secrets) {
+		root := make([]byte, 32)
+		rand.Read(root)
+		s, err := clustersecrets.Derive(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return root, s
+	}
+	root, _ := rootOf()
+	_, other := rootOf()
+	_, otherJoin, err := other.NewCAs(time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(name string, data []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	cfg := &ServiceConfig{
+		RootKeyFile:       write("root-key", []byte(base64.StdEncoding.EncodeToString(root))),
+		JoinCACertificate: write("join-ca.pem", otherJoin.CertPEM()),
+	}
+	called := false
+	kube := func(string) (kubernetes.Interface, error) { called = true; return nil, errors.New("unreachable") }
+	err = ServeStandalone(context.Background(), cfg, kube, slog.New(slog.DiscardHandler))
+	if !errors.Is(err, clustersecrets.ErrWrongRootKey) {
+		t.Fatalf("ServeStandalone: %v, want ErrWrongRootKey", err)
+	}
+	if called {
+		t.Error("the API server was dialled before the secrets were checked")
+	}
+	if strings.Contains(err.Error(), base64.StdEncoding.EncodeToString(root)) {
+		t.Error("the error carries the root key")
+	}
+}
