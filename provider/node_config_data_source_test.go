@@ -129,8 +129,6 @@ func TestNodeConfigDataSource(t *testing.T) {
 	})
 }
 
-
-
 // checkHostname checks that cc sets the hostname to want the way cloud-init does it on every distribution,
 // or does not touch the hostname when want is empty.
 func checkHostname(cc cloudinit.Config, want string) error {
@@ -249,5 +247,3 @@ func TestNodeConfigBareMetal(t *testing.T) {
 		},
 	})
 }
-
-
