@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -27,6 +28,7 @@ import (
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -44,27 +46,14 @@ import (
 //   - with CFSSL back the Node registers and becomes Ready, its kubelet's client certificate is issued by
 //     the CFSSL CA and recorded in cfssl's database, and the disk opens with its derived key alone.
 func TestExternalControlPlane(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
-	}
-	kubeBin, agent, labBin := buildTools(t)
-	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	var progress strings.Builder
-	l, err := StartHost(ctx, HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin, Progress: &progress})
-	t.Cleanup(func() {
-		if err := Down(context.Background(), dir); err != nil {
-			t.Errorf("lab down: %v", err)
-		}
-		if left := Leftovers(dir); len(left) > 0 {
-			t.Errorf("the lab left behind: %v", left)
-		}
-		t.Logf("lab progress:\n%s", progress.String())
+	var l *Lab
+	c := labTest(t, func(c Config) (err error) {
+		l, err = StartHost(ctx, HostConfig{Dir: c.Dir, KubeBin: c.KubeBin, AgentBinary: c.AgentBinary, LabBinary: c.LabBinary, Progress: c.Progress})
+		return err
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	agent := c.AgentBinary
 
 	// The external control plane: its CA's key lives in CFSSL (and here, for the test's own certificates).
 	clusterCA, err := pki.NewCA("external-cluster-ca", time.Now(), 48*time.Hour)
@@ -88,16 +77,21 @@ func TestExternalControlPlane(t *testing.T) {
 
 	// By the time the service refuses the node, the agent has formatted its state disk.
 	svc.waitLog(t, "refused authentication")
-	uuid, err := run(ctx, "cryptsetup", "luksUUID", node.path("state.img"))
+	disk := luks.New(node.path("state.img"), nil)
+	uuid, err := disk.UUID(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	diskKey, err := keys.Derive(svc.secrets.MasterSecret, svc.secrets.Salt, mustLabel(t, uuid), 32)
+	label, err := keys.DiskLabel(uuid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	diskKey, err := keys.Derive(svc.secrets.MasterSecret, svc.secrets.Salt, label, 32)
 	if err != nil {
 		t.Fatal(err)
 	}
 	waitFile(t, node.path("logs/agent.log"), "retrying join ticket")
-	checkNotRekeyed(t, node, diskKey)
+	checkNotRekeyed(t, disk, diskKey)
 	if log := svc.log(t); strings.Contains(log, hex.EncodeToString(wrongKey)) || strings.Contains(log, signer.AuthKeyHex) {
 		t.Error("the join service logged a CFSSL auth key")
 	}
@@ -105,7 +99,7 @@ func TestExternalControlPlane(t *testing.T) {
 	signer.Stop()
 	svc.restart(t, signer.AuthKeyHex)
 	svc.waitLog(t, "is unreachable")
-	checkNotRekeyed(t, node, diskKey)
+	checkNotRekeyed(t, disk, diskKey)
 
 	signer.Restart(t)
 	var ready *corev1.Node
@@ -134,11 +128,10 @@ func TestExternalControlPlane(t *testing.T) {
 	if rec, ok := signer.Recorded(t, cert.SerialNumber); !ok || rec.Status != "good" || rec.CommonName != "system:node:metal-1" {
 		t.Errorf("cfssl's database has %+v (found %v) for the kubelet's serial %s", rec, ok, cert.SerialNumber.Text(16))
 	}
-	if !opens(t, node, diskKey) {
-		t.Error("the state disk does not open with its derived key")
-	}
-	if slots := keySlots(t, node); slots != 1 {
-		t.Errorf("the state disk has %d key slots, want the derived key's alone", slots)
+	if slot, err := disk.KeySlot(ctx, diskKey); err != nil {
+		t.Errorf("the state disk does not open with its derived key: %v", err)
+	} else if slots, err := disk.Slots(ctx); err != nil || len(slots) != 1 || slots[0] != slot {
+		t.Errorf("the state disk has key slots %v (%v), want the derived key's (%d) alone", slots, err, slot)
 	}
 	agentLog, err := os.ReadFile(node.path("logs/agent.log"))
 	if err != nil {
@@ -333,59 +326,15 @@ func tail(s string, lines int) string {
 	return strings.Join(all[max(0, len(all)-lines):], "\n")
 }
 
-func mustLabel(t *testing.T, uuid string) keys.Label {
-	t.Helper()
-	label, err := keys.DiskLabel(strings.TrimSpace(uuid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return label
-}
-
 // checkNotRekeyed fails when the node's state disk took the derived key although no ticket was issued.
-func checkNotRekeyed(t *testing.T, n *Node, diskKey []byte) {
+func checkNotRekeyed(t *testing.T, disk *luks.Volume, diskKey []byte) {
 	t.Helper()
-	if opens(t, n, diskKey) {
-		t.Fatal("the state disk was rekeyed although no ticket was issued")
+	if _, err := disk.KeySlot(context.Background(), diskKey); !errors.Is(err, luks.ErrWrongKey) {
+		t.Fatalf("the state disk was rekeyed although no ticket was issued (derived key: %v)", err)
 	}
-	if slots := keySlots(t, n); slots != 1 {
-		t.Fatalf("the state disk has %d key slots, want its initial key's alone", slots)
+	if slots, err := disk.Slots(context.Background()); err != nil || len(slots) != 1 {
+		t.Fatalf("the state disk has key slots %v (%v), want its initial key's alone", slots, err)
 	}
-}
-
-func opens(t *testing.T, n *Node, key []byte) bool {
-	t.Helper()
-	cmd := exec.Command("cryptsetup", "luksOpen", "--test-passphrase", "--key-file=-", n.path("state.img"))
-	cmd.Stdin = strings.NewReader(string(key))
-	out, err := cmd.CombinedOutput()
-	if ee, ok := err.(*exec.ExitError); ok && ee.ExitCode() == 2 {
-		return false
-	}
-	if err != nil {
-		t.Fatalf("cryptsetup --test-passphrase: %v: %s", err, out)
-	}
-	return true
-}
-
-func keySlots(t *testing.T, n *Node) int {
-	t.Helper()
-	out, err := exec.Command("cryptsetup", "luksDump", n.path("state.img")).CombinedOutput()
-	if err != nil {
-		t.Fatalf("cryptsetup luksDump: %v: %s", err, out)
-	}
-	slots := 0
-	inKeyslots := false
-	for _, line := range strings.Split(string(out), "\n") {
-		switch {
-		case strings.HasPrefix(line, "Keyslots:"):
-			inKeyslots = true
-		case inKeyslots && line != "" && line[0] != ' ' && line[0] != '\t':
-			inKeyslots = false
-		case inKeyslots && strings.HasSuffix(strings.TrimSpace(line), ": luks2"):
-			slots++
-		}
-	}
-	return slots
 }
 
 func nodeReady(n *corev1.Node) bool {

@@ -24,29 +24,15 @@ import (
 // Ready from its directory (berth-lab wait), and nothing is left on the host afterwards. Every node
 // attests against the image manifest's predicted PCRs.
 func TestLab(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
-	}
-	kubeBin, agent, labBin := buildTools(t)
-	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	var progress strings.Builder
-	l, err := Up(ctx, Config{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin, Progress: &progress,
-		Nodes: []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"cp-1", metadata.RoleControlPlane},
-			{"worker-0", metadata.RoleWorker}, {"worker-1", metadata.RoleWorker}}})
-	t.Cleanup(func() {
-		if err := Down(context.Background(), dir); err != nil {
-			t.Errorf("lab down: %v", err)
-		}
-		if left := Leftovers(dir); len(left) > 0 {
-			t.Errorf("the lab left behind: %v", left)
-		}
-		t.Logf("lab progress:\n%s", progress.String())
+	var l *Lab
+	cfg := labTest(t, func(c Config) (err error) {
+		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"cp-1", metadata.RoleControlPlane},
+			{"worker-0", metadata.RoleWorker}, {"worker-1", metadata.RoleWorker}}
+		l, err = Up(ctx, c)
+		return err
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	// The init attested cp-0 against the manifest's prediction for berthlab-a (PCR 11 included), and every
 	// other node joined under a policy that admits only that prediction: the manifest is what they quote.
 	data, err := os.ReadFile(l.ManifestPath())
@@ -121,7 +107,7 @@ func TestLab(t *testing.T) {
 		t.Errorf("kubeadm ran %d times on worker-1 over two boots, want once (no new join after a reboot)", n)
 	}
 	// Another process picks the lab up from its directory, rebooted worker included, and finds it Ready.
-	out, err := exec.CommandContext(ctx, labBin, "wait", "--dir", dir, "--kubeconfig", l.Kubeconfig, "--timeout", "2m").CombinedOutput()
+	out, err := exec.CommandContext(ctx, cfg.LabBinary, "wait", "--dir", cfg.Dir, "--kubeconfig", l.Kubeconfig, "--timeout", "2m").CombinedOutput()
 	if err != nil {
 		t.Fatalf("berth-lab wait: %v\n%s", err, out)
 	}
@@ -179,6 +165,33 @@ func pool(c *x509.Certificate) *x509.CertPool {
 
 // buildTools returns the Kubernetes binaries (BERTH_KUBE_BIN, or built and cached by scripts/build-k8s.sh)
 // and freshly built berth-agent and berth-lab binaries.
+// labTest is the frame of a lab test: root, this tree's tools built, up making the lab in c.Dir, and at the
+// end the lab taken down, nothing of it left on the host, and its progress in the test's log. It returns
+// the configuration up was given.
+func labTest(t *testing.T, up func(c Config) error) Config {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
+	}
+	var progress strings.Builder
+	c := Config{Dir: filepath.Join(t.TempDir(), "lab"), Progress: &progress}
+	c.KubeBin, c.AgentBinary, c.LabBinary = buildTools(t)
+	err := up(c)
+	t.Cleanup(func() {
+		if err := Down(context.Background(), c.Dir); err != nil {
+			t.Errorf("lab down: %v", err)
+		}
+		if left := Leftovers(c.Dir); len(left) > 0 {
+			t.Errorf("the lab left behind: %v", left)
+		}
+		t.Logf("lab progress:\n%s", progress.String())
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
 	root := repotest.Root(t)

@@ -51,7 +51,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			// Missing, or still being written: kubeadm writes its files in place, so a reader can see one
 			// half-written. Either way the kubelet is not ready to start yet.
 			if err.Error() != lastWait {
-				log.Info("waiting for kubeadm to write the kubelet's configuration", "reason", err)
+				log.Info("waiting for the kubelet's configuration (from kubeadm, or from a ticket without kubeadm)", "reason", err)
 				lastWait = err.Error()
 			}
 			if err := backoff.Sleep(ctx, poll); err != nil {
