@@ -139,6 +139,29 @@ func (c *ServiceConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
+// certificateIPs are the addresses the service's certificate names: serverAddresses, or the listen address.
+func (c *ServiceConfig) certificateIPs() ([]net.IP, error) {
+	var ips []net.IP
+	for _, s := range c.ServerAddresses {
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return nil, fmt.Errorf("serverAddresses: %w", err)
+		}
+		ips = append(ips, a.AsSlice())
+	}
+	if len(ips) > 0 || len(c.ServerNames) > 0 {
+		return ips, nil
+	}
+	ap, err := netip.ParseAddrPort(c.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("listen: %w", err)
+	}
+	if ap.Addr().IsUnspecified() {
+		return nil, fmt.Errorf("listen %s names no address for the certificate: set serverAddresses or serverNames", c.Listen)
+	}
+	return []net.IP{ap.Addr().AsSlice()}, nil
+}
+
 // ServeStandalone runs the join service of cfg until ctx ends. Everything it reads is checked before it
 // listens, so a service that starts serves.
 func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), logger *slog.Logger) error {
@@ -183,16 +206,9 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	var ips []net.IP
-	for _, a := range cfg.ServerAddresses {
-		ips = append(ips, netip.MustParseAddr(a).AsSlice())
-	}
-	if len(ips) == 0 && len(cfg.ServerNames) == 0 {
-		ap := netip.MustParseAddrPort(cfg.Listen)
-		if ap.Addr().IsUnspecified() {
-			return fmt.Errorf("join service: listen %s names no address for the certificate: set serverAddresses or serverNames", cfg.Listen)
-		}
-		ips = []net.IP{ap.Addr().AsSlice()}
+	ips, err := cfg.certificateIPs()
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
 	}
 	return serveJoins(ctx, joinServer{
 		listen: cfg.Listen, names: cfg.ServerNames, ips: ips, kube: kube,

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -114,5 +115,34 @@ func TestServeStandaloneRefusesForeignJoinCA(t *testing.T) {
 	}
 	if strings.Contains(err.Error(), base64.StdEncoding.EncodeToString(root)) {
 		t.Error("the error carries the root key")
+	}
+}
+
+func TestServiceCertificateIPs(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		cfg     ServiceConfig
+		want    string
+		wantErr string
+	}{
+		{name: "listen address", cfg: ServiceConfig{Listen: "10.0.0.5:7450"}, want: "[10.0.0.5]"},
+		{name: "server addresses win", cfg: ServiceConfig{Listen: "0.0.0.0:7450", ServerAddresses: []string{"10.0.0.6"}}, want: "[10.0.0.6]"},
+		{name: "names only", cfg: ServiceConfig{Listen: "0.0.0.0:7450", ServerNames: []string{"join.example"}}, want: "[]"},
+		{name: "unspecified listen", cfg: ServiceConfig{Listen: "0.0.0.0:7450"}, wantErr: "set serverAddresses or serverNames"},
+		{name: "bad server address", cfg: ServiceConfig{Listen: "10.0.0.5:7450", ServerAddresses: []string{"join"}}, wantErr: "serverAddresses"},
+		{name: "bad listen", cfg: ServiceConfig{Listen: "join:7450"}, wantErr: "listen"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ips, err := tt.cfg.certificateIPs()
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil || fmt.Sprint(ips) != tt.want {
+				t.Errorf("certificateIPs = %v, %v; want %s", ips, err, tt.want)
+			}
+		})
 	}
 }
