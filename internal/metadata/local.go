@@ -118,7 +118,7 @@ func (inv *Inventory) InstanceByAddress(_ context.Context, addr netip.Addr) (*In
 	}
 	inst, ok := inv.byAddr[addr]
 	if !ok {
-		return nil, fmt.Errorf("%w: no record for %s in the inventory %s", ErrNotFound, addr, inv.Path)
+		return nil, fmt.Errorf("%w: no record for %s in the inventory", ErrNotFound, addr)
 	}
 	return &inst, nil
 }
