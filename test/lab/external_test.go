@@ -321,11 +321,6 @@ func waitFile(t *testing.T, path, text string) {
 	}
 }
 
-func tail(s string, lines int) string {
-	all := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	return strings.Join(all[max(0, len(all)-lines):], "\n")
-}
-
 // checkNotRekeyed fails when the node's state disk took the derived key although no ticket was issued.
 func checkNotRekeyed(t *testing.T, disk *luks.Volume, diskKey []byte) {
 	t.Helper()

@@ -455,7 +455,12 @@ func tailFile(path string, lines int) string {
 	if err != nil {
 		return ""
 	}
-	all := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	return tail(string(data), lines)
+}
+
+// tail is the last lines of s.
+func tail(s string, lines int) string {
+	all := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	return strings.Join(all[max(0, len(all)-lines):], "\n")
 }
 
