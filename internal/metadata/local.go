@@ -38,14 +38,9 @@ func (l *Local) Self(context.Context) (*Self, error) {
 	if err != nil {
 		return nil, fmt.Errorf("reading user-data: %w", err)
 	}
-	var ud UserData
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&ud); err != nil {
-		return nil, fmt.Errorf("reading user-data %s: %w", l.UserDataFile, err)
-	}
-	if err := ud.Validate(); err != nil {
-		return nil, fmt.Errorf("user-data %s: %w", l.UserDataFile, err)
+	ud, err := ParseUserData(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", l.UserDataFile, err)
 	}
 	if len(ud.JoinEndpoints) == 0 {
 		return nil, fmt.Errorf("user-data %s names no join endpoint: a node without a metadata service finds the join service only there", l.UserDataFile)
@@ -183,4 +178,22 @@ func readLimited(path string) ([]byte, error) {
 		return nil, errors.New(path + " is empty")
 	}
 	return data, nil
+}
+
+// ParseUserData reads the user-data JSON that berth_node_config renders, strictly (no unknown field,
+// nothing after the object), and validates it.
+func ParseUserData(data []byte) (UserData, error) {
+	var u UserData
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&u); err != nil {
+		return UserData{}, fmt.Errorf("decoding user-data: %w", err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return UserData{}, errors.New("decoding user-data: trailing data after the JSON object")
+	}
+	if err := u.Validate(); err != nil {
+		return UserData{}, fmt.Errorf("user-data: %w", err)
+	}
+	return u, nil
 }

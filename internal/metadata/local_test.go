@@ -149,3 +149,29 @@ func TestInventory(t *testing.T) {
 		}
 	}
 }
+
+func TestParseUserData(t *testing.T) {
+	for _, tc := range []struct {
+		name, json, wantErr string
+	}{
+		{"as berth_node_config renders it", `{"clusterName":"lab","joinPort":7450,"joinCAPin":"` + testPin + `"}`, ""},
+		{"with init secret hash", `{"clusterName":"lab","joinPort":7450,"joinCAPin":"` + testPin + `","initSecretHash":"` + "$argon2id$v=19$m=65536,t=3,p=4$c2FsdHNhbHQ$aGFzaGhhc2hoYXNo" + `"}`, ""},
+		{"unknown field", `{"clusterName":"lab","joinPort":7450,"joinCAPin":"` + testPin + `","joinport":1,"extra":1}`, "unknown field"},
+		{"trailing data", `{"clusterName":"lab","joinPort":7450,"joinCAPin":"` + testPin + `"} {}`, "trailing data"},
+		{"not JSON", `clusterName=lab`, "decoding user-data"},
+		{"invalid", `{"clusterName":"lab","joinPort":0,"joinCAPin":"` + testPin + `"}`, "join port is 0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			u, err := ParseUserData([]byte(tc.json))
+			if tc.wantErr == "" {
+				if err != nil || u.ClusterName != "lab" || u.JoinPort != 7450 || u.JoinCAPin != testPin {
+					t.Fatalf("ParseUserData: %+v, %v", u, err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}

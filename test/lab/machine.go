@@ -1,12 +1,10 @@
 package lab
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/netip"
 	"os"
 	"slices"
@@ -154,7 +152,7 @@ func cloudInitUserData(doc string) (metadata.UserData, error) {
 	}
 	for _, f := range cc.WriteFiles {
 		if f.Path == cloudinit.UserDataPath {
-			return ParseUserData([]byte(f.Content))
+			return metadata.ParseUserData([]byte(f.Content))
 		}
 	}
 	return metadata.UserData{}, fmt.Errorf("the cloud-config writes no %s", cloudinit.UserDataPath)
@@ -284,22 +282,4 @@ func (l *Lab) withLock(f func() error) error {
 		return fmt.Errorf("lab lock: %w", err)
 	}
 	return f()
-}
-
-// ParseUserData reads the user-data JSON that berth_node_config renders, as strictly as the metadata
-// package reads its documents, and validates it.
-func ParseUserData(data []byte) (metadata.UserData, error) {
-	var u metadata.UserData
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&u); err != nil {
-		return metadata.UserData{}, fmt.Errorf("decoding user-data: %w", err)
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return metadata.UserData{}, errors.New("decoding user-data: trailing data after the JSON object")
-	}
-	if err := u.Validate(); err != nil {
-		return metadata.UserData{}, fmt.Errorf("user-data: %w", err)
-	}
-	return u, nil
 }

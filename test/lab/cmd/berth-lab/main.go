@@ -151,7 +151,7 @@ func nodeUp(ctx context.Context, dir, name, role, addr, image, userData string) 
 	if err != nil {
 		return fmt.Errorf("--addr: %w", err)
 	}
-	ud, err := lab.ParseUserData([]byte(userData))
+	ud, err := metadata.ParseUserData([]byte(userData))
 	if err != nil {
 		return fmt.Errorf("--user-data: %w", err)
 	}
