@@ -16,7 +16,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
-	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/swtpm"
 )

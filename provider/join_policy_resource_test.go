@@ -16,7 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
-	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/policy"
 )
 

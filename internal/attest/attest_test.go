@@ -11,10 +11,10 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 )
 
-func newProver(t *testing.T, ca *tpmtest.CA) *attest.Prover {
+func newProver(t *testing.T, ca *swtpmtest.CA) *attest.Prover {
 	t.Helper()
 	tpm, err := attest.OpenTPM(ca.NewTPM(t).Device())
 	if err != nil {
@@ -37,7 +37,7 @@ func nonce(t *testing.T) []byte {
 }
 
 func TestAttestation(t *testing.T) {
-	ca := tpmtest.NewCA(t)
+	ca := swtpmtest.NewCA(t)
 	alice, bob := newProver(t, ca), newProver(t, ca)
 	v := attest.NewVerifier(ca.Roots(), ca.Intermediates(), nil)
 	pcrs := []int{0, 4, 7, 9, 11}
@@ -144,7 +144,7 @@ func TestAttestation(t *testing.T) {
 	}
 
 	t.Run("EK certificate from an unknown CA", func(t *testing.T) {
-		other := tpmtest.NewCA(t)
+		other := swtpmtest.NewCA(t)
 		stranger := newProver(t, other)
 		n := nonce(t)
 		ev, err := stranger.Evidence(n, pcrs)
@@ -170,7 +170,7 @@ func TestAttestation(t *testing.T) {
 }
 
 func TestParseCABundle(t *testing.T) {
-	ca := tpmtest.NewCA(t)
+	ca := swtpmtest.NewCA(t)
 	p := newProver(t, ca)
 	roots, inters, err := attest.ParseCABundle(ca.BundlePEM())
 	if err != nil {

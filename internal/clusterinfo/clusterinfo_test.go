@@ -8,7 +8,7 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 const (

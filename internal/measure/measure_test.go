@@ -14,7 +14,7 @@ import (
 	"time"
 	"unicode/utf16"
 
-	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 )
 
 // pcrOf is what a SHA-256 PCR holds after extending digests into it from zero, written here apart from the

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 )
 
 func TestAuthenticodeSynthetic(t *testing.T) {

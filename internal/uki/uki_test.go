@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/internal/uki"
 )
 

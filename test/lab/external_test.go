@@ -27,7 +27,7 @@ import (
 	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/keys"
-	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"

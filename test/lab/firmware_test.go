@@ -12,13 +12,13 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/manifest"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 )
 
 // TestMeasureImageMatchesPrediction measures an image into a real swtpm as a lab node's firmware does and
 // checks that every quoted PCR then holds what the manifest predicts for that image, and not the other's.
 func TestMeasureImageMatchesPrediction(t *testing.T) {
-	tpm := tpmtest.NewCA(t).NewTPM(t)
+	tpm := swtpmtest.NewCA(t).NewTPM(t)
 	if err := measureImage(tpm.Socket, "berthlab-b"); err != nil {
 		t.Fatal(err)
 	}

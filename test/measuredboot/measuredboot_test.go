@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/measure"
-	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
 )

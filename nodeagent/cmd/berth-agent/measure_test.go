@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/berthlabs/berth/internal/measure"
-	"github.com/berthlabs/berth/internal/measure/ukitest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 )
 
 func TestMeasure(t *testing.T) {

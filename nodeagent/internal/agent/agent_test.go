@@ -26,8 +26,8 @@ import (
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
-	"github.com/berthlabs/berth/internal/tpmtest"
-	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -89,7 +89,7 @@ type labNode struct {
 // client initializes and that then serves joins from its stored secrets, and a worker that joins through it,
 // reboots and rejoins.
 func TestBootInitThenJoin(t *testing.T) {
-	ekCA := tpmtest.NewCA(t)
+	ekCA := swtpmtest.NewCA(t)
 	kube := fake.NewClientset()
 	joinCA, err := pki.NewCA("berth-join-ca", time.Now(), 365*24*time.Hour)
 	if err != nil {

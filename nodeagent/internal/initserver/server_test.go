@@ -33,7 +33,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
@@ -56,7 +56,7 @@ var nodeAddr = netip.MustParseAddr("192.0.2.10")
 
 // fixture is what every node of a test shares: the EK CA, one swtpm, the init secret and the cluster's CAs.
 type fixture struct {
-	ekCA       *tpmtest.CA
+	ekCA       *swtpmtest.CA
 	prover     *attest.Prover
 	verifier   *attest.Verifier
 	secret     []byte
@@ -71,7 +71,7 @@ func newFixture(t *testing.T) *fixture {
 	if _, err := exec.LookPath("cryptsetup"); err != nil {
 		t.Fatal("cryptsetup not found: run make deps")
 	}
-	f := &fixture{ekCA: tpmtest.NewCA(t)}
+	f := &fixture{ekCA: swtpmtest.NewCA(t)}
 	tpm, err := attest.OpenTPM(f.ekCA.NewTPM(t).Device())
 	if err != nil {
 		t.Fatal(err)
@@ -526,7 +526,7 @@ func TestInit(t *testing.T) {
 
 		t.Run("EK certificate from an unknown CA", func(t *testing.T) {
 			activations := n.prover.activations.Load()
-			other := tpmtest.NewCA(t)
+			other := swtpmtest.NewCA(t)
 			cfg := n.client(f, f.request(t), new([]string))
 			cfg.Verifier = attest.NewVerifier(other.Roots(), other.Intermediates(), nil)
 			if _, err := initclient.Init(ctx, cfg); !errors.Is(err, attest.ErrUntrusted) {

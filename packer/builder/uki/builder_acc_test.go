@@ -13,8 +13,8 @@ import (
 	"github.com/hashicorp/packer-plugin-sdk/acctest"
 
 	"github.com/berthlabs/berth/internal/manifest"
-	"github.com/berthlabs/berth/internal/measure/ukitest"
-	"github.com/berthlabs/berth/internal/packertest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
+	"github.com/berthlabs/berth/test/packertest"
 	"github.com/berthlabs/berth/test/measuredboot"
 )
 

@@ -14,8 +14,8 @@ import (
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure"
-	"github.com/berthlabs/berth/internal/measure/ukitest"
-	"github.com/berthlabs/berth/internal/packertest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 const accTemplate = `

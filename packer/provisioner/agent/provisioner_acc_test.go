@@ -11,8 +11,8 @@ import (
 
 	"github.com/hashicorp/packer-plugin-sdk/acctest"
 
-	"github.com/berthlabs/berth/internal/measure/ukitest"
-	"github.com/berthlabs/berth/internal/packertest"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 // accTemplate provisions the node image's Debian root file system (scripts/guest-root.sh) through

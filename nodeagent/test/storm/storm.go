@@ -35,13 +35,13 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/keys"
-	"github.com/berthlabs/berth/internal/kubetest"
+	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
-	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
@@ -51,7 +51,7 @@ type Host struct {
 	t       testing.TB
 	dir     string
 	API     *kubetest.APIServer
-	EKCA    *tpmtest.CA
+	EKCA    *swtpmtest.CA
 	Master  []byte
 	Salt    []byte
 	MetaURL string
@@ -72,7 +72,7 @@ type Host struct {
 // prepares the join service's node (secrets, CA, policy) without starting it.
 func NewHost(t testing.TB, tpms int) *Host {
 	t.Helper()
-	h := &Host{t: t, dir: t.TempDir(), EKCA: tpmtest.NewCA(t)}
+	h := &Host{t: t, dir: t.TempDir(), EKCA: swtpmtest.NewCA(t)}
 	h.API = kubetest.Start(t)
 	var err error
 	if h.Master, err = keys.NewSecret(); err != nil {
@@ -352,7 +352,7 @@ func (noKubeadm) Reset(context.Context, func(string)) error {
 // BootAgent boots one real `berth-agent boot` process as worker w, with tpm (its own, from h.EKCA), a LUKS2
 // image as its state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node
 // has joined. It returns the process's peak RSS.
-func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *tpmtest.TPM) (peakBytes int64, took time.Duration, err error) {
+func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtest.TPM) (peakBytes int64, took time.Duration, err error) {
 	dir := filepath.Join(h.dir, "processes", w.Name)
 	img := filepath.Join(dir, "state.img")
 	kubeadm := filepath.Join(dir, "kubeadm")

@@ -1,7 +1,7 @@
-// Package tpmtest starts real software TPMs (swtpm) for tests, each manufactured with an endorsement key
+// Package swtpmtest starts real software TPMs (swtpm) for tests, each manufactured with an endorsement key
 // certificate signed by a CA of the test's own, so that tests exercise the same EK chain verification and
 // credential activation that a cloud vTPM or a hardware TPM goes through.
-package tpmtest
+package swtpmtest
 
 import (
 	"crypto/x509"

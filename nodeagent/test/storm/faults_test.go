@@ -21,7 +21,7 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
-	"github.com/berthlabs/berth/nodeagent/internal/joinlab"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"

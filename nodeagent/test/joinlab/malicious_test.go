@@ -25,7 +25,7 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -209,7 +209,7 @@ func TestMaliciousJoin(t *testing.T) {
 	other := lab.AddNode("worker-2", metadata.RoleWorker)
 	cp := lab.AddNode("cp-1", metadata.RoleControlPlane)
 	stranger := lab.AddUnlistedNode("stranger")
-	foreignCA := tpmtest.NewCA(t)
+	foreignCA := swtpmtest.NewCA(t)
 	foreignTPM := lab.addForeignNode(t, foreignCA, "worker-foreign")
 
 	// A disk that worker-2 joined with for real: it belongs to worker-2's TPM from now on.
@@ -412,7 +412,7 @@ func (l *Lab) assertNoSecret(t *testing.T, text string) {
 	}
 }
 
-func (l *Lab) addForeignNode(t *testing.T, other *tpmtest.CA, name string) *Node {
+func (l *Lab) addForeignNode(t *testing.T, other *swtpmtest.CA, name string) *Node {
 	t.Helper()
 	saved := l.EKCA
 	l.EKCA = other

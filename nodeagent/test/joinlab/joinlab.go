@@ -34,7 +34,7 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/tpmtest"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -46,7 +46,7 @@ var QuotedPCRs = []int{0, 4, 7, 9, 11}
 // Lab is one cluster's join side.
 type Lab struct {
 	t            testing.TB
-	EKCA         *tpmtest.CA
+	EKCA         *swtpmtest.CA
 	JoinCA       *pki.CA
 	KubeCA       *pki.CA
 	Master, Salt []byte
@@ -89,7 +89,7 @@ func WithoutKubeadm(settings *berthv1.KubeletSettings) Option {
 func New(t testing.TB, opts ...Option) *Lab {
 	t.Helper()
 	now := time.Now()
-	l := &Lab{t: t, EKCA: tpmtest.NewCA(t), Kube: fake.NewClientset(), Logs: &SafeBuffer{}, next: 2}
+	l := &Lab{t: t, EKCA: swtpmtest.NewCA(t), Kube: fake.NewClientset(), Logs: &SafeBuffer{}, next: 2}
 	var err error
 	if l.JoinCA, err = pki.NewCA("berth-join-ca", now, 10*365*24*time.Hour); err != nil {
 		t.Fatal(err)
@@ -199,7 +199,7 @@ type Node struct {
 	Name   string
 	Role   metadata.Role
 	Addr   netip.Addr
-	TPM    *tpmtest.TPM
+	TPM    *swtpmtest.TPM
 	Prover *attest.Prover
 	Volume *luks.Volume
 	Disk   *statedisk.Disk
