@@ -16,9 +16,9 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
-	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 // clusterConfig is berth_secrets, its ephemeral twin and a berth_cluster fed from them; cluster holds the

@@ -16,8 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
-	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 const pcr0 = "0000000000000000000000000000000000000000000000000000000000000000"

@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/internal/uki"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 )
 
 // TestAssemble checks the layout against the stub's own headers, read here independently: every added

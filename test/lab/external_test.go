@@ -27,11 +27,11 @@ import (
 	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/keys"
-	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 // TestExternalControlPlane is docs/external-control-plane.md run for real: a control plane kubeadm did not

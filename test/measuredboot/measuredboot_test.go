@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/measure"
-	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 )
 
 // TestPredictionMatchesBoot boots a real UKI (Debian's systemd-stub and kernel, an initrd whose init reads

@@ -27,8 +27,8 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 )
 
 // kubeadmRecorder stands in for kubeadm: init writes an admin kubeconfig, join and reset are recorded, and

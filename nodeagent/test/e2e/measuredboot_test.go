@@ -23,19 +23,19 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/keys"
-	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/manifest"
-	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/internal/metadata"
-	"github.com/berthlabs/berth/test/packertest"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/swtpm"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/test/measuredboot"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 // The guest's view of the host (examples/packer/node): the instance metadata, and the control-plane node

@@ -21,10 +21,10 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 )
 
 // faultStorm is how many agents each fault run boots: enough that a storm lasts about a second here, so

@@ -35,15 +35,15 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/keys"
-	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 // Host is the cluster side of a storm.

@@ -14,8 +14,8 @@ import (
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
-	"github.com/berthlabs/berth/test/packertest"
 	"github.com/berthlabs/berth/test/measuredboot"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 // TestAccLocalImage runs the real packer (make packer-tools) on examples/packer/local.pkr.hcl, with the
