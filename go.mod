@@ -50,6 +50,7 @@ require (
 	github.com/hashicorp/terraform-plugin-log v0.10.0
 	github.com/hashicorp/terraform-plugin-testing v1.16.0
 	github.com/zclconf/go-cty v1.18.1
+	go.uber.org/goleak v1.3.0
 	golang.org/x/crypto v0.50.0
 	google.golang.org/grpc v1.79.3
 	google.golang.org/protobuf v1.36.12

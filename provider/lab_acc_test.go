@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -31,6 +30,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/lab"
 )
 
@@ -170,16 +170,13 @@ func TestAccLab(t *testing.T) {
 	if os.Getenv(resource.EnvTfAcc) == "" {
 		t.Skip("acceptance test against a real lab: make testacc runs it (TF_ACC=1, root)")
 	}
-	if os.Geteuid() != 0 {
-		t.Fatal("the lab needs root: it makes network and mount namespaces, cgroups and LUKS images (run make testacc as root)")
-	}
+	repotest.NeedsRoot(t, "the lab makes network and mount namespaces, cgroups and LUKS images")
 	kubeBin := os.Getenv("BERTH_KUBE_BIN")
 	if kubeBin == "" {
 		t.Fatal("BERTH_KUBE_BIN is not set: make testacc builds Kubernetes once (scripts/build-k8s.sh) and sets it")
 	}
-	bin := t.TempDir()
-	agent := goBuild(t, bin, "github.com/berthlabs/berth/nodeagent/cmd/berth-agent")
-	labBin := goBuild(t, bin, "github.com/berthlabs/berth/test/lab/cmd/berth-lab")
+	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
+	labBin := repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", repotest.Build{})
 
 	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
@@ -338,15 +335,6 @@ func TestAccLab(t *testing.T) {
 		Steps: steps,
 	})
 	t.Logf("lab host:\n%s", progress.String())
-}
-
-func goBuild(t *testing.T, dir, pkg string) string {
-	t.Helper()
-	out := filepath.Join(dir, filepath.Base(pkg))
-	if msg, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {
-		t.Fatalf("building %s: %v\n%s", pkg, err, msg)
-	}
-	return out
 }
 
 // measurementRefusal matches terraform's rendering of the attestation failure, which it wraps at spaces.

@@ -1,6 +1,8 @@
-// Package repotest finds the repository from a test and runs the repository's scripts that build or fetch
-// a tool into a cache and print its directory on their last line (scripts/build-k8s.sh,
-// scripts/boot-parts.sh, …), so that each test harness does not locate the tree its own way.
+// Package repotest is the one place tests learn about their environment, as Go's internal/testenv is for
+// the standard library: where the repository is, which Kubernetes version the harnesses run, how to build
+// one of the repository's programs for a test, and what a test needs (root, tools on PATH, tools that the
+// repository's scripts build into a cache) — so that `make short` can skip by one rule what needs root or
+// a cluster, and `make test` fails with the step that installs what is missing.
 package repotest
 
 import (
@@ -14,6 +16,10 @@ import (
 	"testing"
 )
 
+// KubernetesVersion is the Kubernetes release that scripts/build-k8s.sh builds (test/k8stools/go.mod pins
+// its modules) and that every harness runs and writes into configurations.
+const KubernetesVersion = "v1.36.3"
+
 // Root is the repository's root directory.
 func Root(t testing.TB) string {
 	t.Helper()
@@ -24,11 +30,41 @@ func Root(t testing.TB) string {
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
 
+// NeedsRoot skips t under -short and fails it unless it runs as root; why says what root is for. make test
+// runs as root, so outside -short a missing privilege is a failure, not a silent skip.
+func NeedsRoot(t testing.TB, why string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skipf("needs root (%s): not run with -short", why)
+	}
+	if os.Geteuid() != 0 {
+		t.Fatalf("needs root: %s (run make test as root)", why)
+	}
+}
+
+// NeedsTools fails t when a command is not on PATH, naming the script that installs it.
+func NeedsTools(t testing.TB, tools ...string) {
+	t.Helper()
+	var missing []string
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			missing = append(missing, tool)
+		}
+	}
+	if len(missing) > 0 {
+		t.Fatalf("not on PATH: %s (scripts/install-deps.sh installs them)", strings.Join(missing, ", "))
+	}
+}
+
 // Script runs scripts/<name> and returns the last line it printed, the directory of what it made; needs
 // says what the script needs, for the failure message. The script's progress goes to stderr as it runs
-// (a cold build takes minutes) and is repeated in the failure.
+// (a cold build takes minutes) and is repeated in the failure. Under -short the test is skipped: these
+// scripts build or fetch tools (Kubernetes, CFSSL, Packer, boot parts) and take minutes on a cold machine.
 func Script(t testing.TB, name, needs string) string {
 	t.Helper()
+	if testing.Short() {
+		t.Skipf("needs what scripts/%s makes: not run with -short", name)
+	}
 	var stdout, stderr bytes.Buffer
 	cmd := exec.Command(filepath.Join(Root(t), "scripts", name))
 	cmd.Stdout, cmd.Stderr = &stdout, io.MultiWriter(&stderr, os.Stderr)
@@ -40,11 +76,47 @@ func Script(t testing.TB, name, needs string) string {
 }
 
 // BinDir is the directory named by the environment variable env, as make sets it, or else what
-// scripts/<script> prints.
+// scripts/<script> prints. Under -short the test is skipped either way: what it needs is a cluster or a
+// tool run, not a unit.
 func BinDir(t testing.TB, env, script, needs string) string {
 	t.Helper()
+	if testing.Short() {
+		t.Skipf("needs what scripts/%s makes: not run with -short", script)
+	}
 	if dir := os.Getenv(env); dir != "" {
 		return dir
 	}
 	return Script(t, script, needs)
+}
+
+// Build says how BuildBinary builds.
+type Build struct {
+	// Tags are the build tags, such as "failpoint".
+	Tags string
+	// Static builds without cgo, trimmed and stripped: a binary that runs in a guest image without the
+	// host's libc.
+	Static bool
+}
+
+// BuildBinary builds the repository's package pkg (a path from the module root, such as
+// "./nodeagent/cmd/berth-agent") into a directory of the test's and returns the binary's path.
+func BuildBinary(t testing.TB, pkg string, b Build) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), filepath.Base(pkg))
+	args := []string{"build", "-o", out}
+	if b.Tags != "" {
+		args = append(args, "-tags", b.Tags)
+	}
+	if b.Static {
+		args = append(args, "-trimpath", "-ldflags=-s -w")
+	}
+	cmd := exec.Command("go", append(args, pkg)...)
+	cmd.Dir = Root(t)
+	if b.Static {
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	}
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v\n%s", pkg, err, msg)
+	}
+	return out
 }

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 func TestStart(t *testing.T) {
@@ -25,7 +26,7 @@ func TestStart(t *testing.T) {
 		t.Fatalf("kube-system namespace: %v, %v", ns, err)
 	}
 	v, err := s.Client.Discovery().ServerVersion()
-	if err != nil || v.GitVersion != "v1.36.3" {
+	if err != nil || v.GitVersion != repotest.KubernetesVersion {
 		t.Fatalf("server version %v, %v", v, err)
 	}
 

@@ -24,6 +24,7 @@ import (
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // TestLabCLI drives the lab the way Terraform's lab example does, one berth-lab process per step: a host,
@@ -32,9 +33,7 @@ import (
 // the control-plane node quotes the PCR 11 the manifest predicts for its image, by attesting it against
 // the other image's prediction.
 func TestLabCLI(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
-	}
+	repotest.NeedsRoot(t, "the lab makes network and mount namespaces and cgroups")
 	kubeBin, agent, labBin := buildTools(t)
 	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)

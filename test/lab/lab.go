@@ -38,6 +38,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/swtpm"
 )
 
@@ -53,7 +54,7 @@ const (
 )
 
 // KubernetesVersion is what the lab runs.
-const KubernetesVersion = "v1.36.3"
+const KubernetesVersion = repotest.KubernetesVersion
 
 // The lab's network: the host's side of the bridge, and where its metadata service listens.
 var (

@@ -170,9 +170,7 @@ func pool(c *x509.Certificate) *x509.CertPool {
 // the configuration up was given.
 func labTest(t *testing.T, up func(c Config) error) Config {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Fatal("the lab test needs root: it makes network and mount namespaces and cgroups (run make test as root)")
-	}
+	repotest.NeedsRoot(t, "the lab makes network and mount namespaces and cgroups")
 	var progress strings.Builder
 	c := Config{Dir: filepath.Join(t.TempDir(), "lab"), Progress: &progress}
 	c.KubeBin, c.AgentBinary, c.LabBinary = buildTools(t)
@@ -194,16 +192,8 @@ func labTest(t *testing.T, up func(c Config) error) Config {
 
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
-	root := repotest.Root(t)
 	kubeBin = repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
-	bin := t.TempDir()
-	agent, labBin = filepath.Join(bin, "berth-agent"), filepath.Join(bin, "berth-lab")
-	for out, pkg := range map[string]string{agent: "./nodeagent/cmd/berth-agent", labBin: "./test/lab/cmd/berth-lab"} {
-		cmd := exec.Command("go", "build", "-o", out, pkg)
-		cmd.Dir = root
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go build %s: %v\n%s", pkg, err, b)
-		}
-	}
+	agent = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
+	labBin = repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", repotest.Build{})
 	return kubeBin, agent, labBin
 }

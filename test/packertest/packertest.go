@@ -23,10 +23,7 @@ func Setup(t *testing.T) string {
 	if _, err := exec.LookPath("packer"); err != nil {
 		t.Fatal("packer not found: make testacc-packer builds it (make packer-tools) and sets BERTH_PACKER_BIN")
 	}
-	bin := filepath.Join(t.TempDir(), "packer-plugin-berth")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/berthlabs/berth/packer/cmd/packer-plugin-berth").CombinedOutput(); err != nil {
-		t.Fatalf("building the plugin: %v\n%s", err, out)
-	}
+	bin := repotest.BuildBinary(t, "./packer/cmd/packer-plugin-berth", repotest.Build{})
 	dir := t.TempDir()
 	script := filepath.Join(repotest.Root(t), "scripts", "install-packer-plugin.sh")
 	out, err := exec.Command(script, bin, dir).CombinedOutput()

@@ -63,9 +63,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	if os.Getenv("BERTH_E2E") == "" {
 		t.Skip("end-to-end test with the real packer, QEMU and kube-apiserver: make e2e-measured-boot runs it (BERTH_E2E=1)")
 	}
-	if os.Geteuid() != 0 {
-		t.Fatal("the image build needs root: mmdebstrap and the provisioners' chroot (run make e2e-measured-boot as root)")
-	}
+	repotest.NeedsRoot(t, "the image build runs mmdebstrap and the provisioners' chroot")
 	clock := &stages{t: t}
 	t.Cleanup(clock.print)
 	dir := t.TempDir()
@@ -75,12 +73,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	packertest.Setup(t)
 	parts := ukitest.BootParts(t)
 	root := ukitest.GuestRoot(t)
-	agent := filepath.Join(dir, "berth-agent")
-	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", agent, "./nodeagent/cmd/berth-agent")
-	build.Dir, build.Env = repo, append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building a static berth-agent: %v\n%s", err, out)
-	}
+	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{Static: true})
 	if out, err := packer(t, repo, "init", "node.pkr.hcl"); err != nil {
 		t.Fatalf("packer init: %v\n%s", err, out)
 	}
@@ -230,7 +223,7 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 		Salt:              salt,
 		KubernetesCA:      api.CA,
 		APIServerEndpoint: strings.TrimPrefix(api.URL, "https://"),
-		KubernetesVersion: "v1.36.3",
+		KubernetesVersion: repotest.KubernetesVersion,
 		Logger:            slog.New(slog.NewJSONHandler(h.joinLog, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
@@ -97,7 +98,7 @@ func (l *Lab) initWith(t *testing.T, it *initTarget, secret string) (*berthv1.In
 			InitSecret: []byte(secret), MasterSecret: l.Master, Salt: l.Salt,
 			KubernetesCaCertificate: l.KubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: l.JoinCA.CertPEM(), JoinCaKey: joinKey,
-			ClusterName: "lab", KubernetesVersion: "v1.36.3",
+			ClusterName: "lab", KubernetesVersion: repotest.KubernetesVersion,
 		},
 	})
 }

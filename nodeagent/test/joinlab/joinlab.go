@@ -33,6 +33,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
@@ -130,7 +131,7 @@ func New(t testing.TB, opts ...Option) *Lab {
 		Salt:              l.Salt,
 		KubernetesCA:      l.KubeCA,
 		APIServerEndpoint: "127.0.0.1:6443",
-		KubernetesVersion: "v1.36.3",
+		KubernetesVersion: repotest.KubernetesVersion,
 		ControlPlaneFiles: func() ([]*berthv1.File, error) {
 			return []*berthv1.File{{Path: "ca.key", Content: []byte("lab CA key"), Mode: 0o600}}, nil
 		},
@@ -291,7 +292,7 @@ func (k *Kubeadm) Init(ctx context.Context, configPath string, progress func(str
 	if k.KubernetesDir == "" {
 		return errors.New("kubeadm init is not expected here")
 	}
-	progress("[init] Using Kubernetes version: v1.36.3")
+	progress("[init] Using Kubernetes version: " + repotest.KubernetesVersion)
 	k.mu.Lock()
 	k.Inits++
 	k.mu.Unlock()

@@ -271,11 +271,5 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 
 func buildFailpointAgent(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "berth-agent-failpoint")
-	cmd := exec.Command("go", "build", "-tags", "failpoint", "-o", bin, "./nodeagent/cmd/berth-agent")
-	cmd.Dir = repotest.Root(t)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building berth-agent with failpoints: %v\n%s", err, out)
-	}
-	return bin
+	return repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{Tags: "failpoint"})
 }

@@ -84,7 +84,7 @@ func NewHost(t testing.TB, tpms int) *Host {
 	if h.JoinCA, err = pki.NewCA("berth-join-ca", time.Now(), 24*time.Hour); err != nil {
 		t.Fatal(err)
 	}
-	h.agentBin = buildAgent(t, h.dir)
+	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
 	h.joinPort = uint16(kubetest.FreePort(t))
 	h.doc = metadata.Document{
 		UserData: metadata.UserData{ClusterName: "storm", JoinPort: h.joinPort, JoinCAPin: pki.SPKIPin(h.JoinCA.Cert)},
@@ -155,7 +155,7 @@ func (h *Host) writeServiceNode() {
 	}
 	if err := nodestate.WriteSecrets(paths.State, &nodestate.ClusterSecrets{
 		MasterSecret: h.Master, Salt: h.Salt, JoinCACert: h.JoinCA.CertPEM(), JoinCAKey: joinKey,
-		APIServerEndpoint: strings.TrimPrefix(h.API.URL, "https://"), KubernetesVersion: "v1.36.3",
+		APIServerEndpoint: strings.TrimPrefix(h.API.URL, "https://"), KubernetesVersion: repotest.KubernetesVersion,
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -432,17 +432,6 @@ func peakRSS(pid int) int64 {
 		}
 	}
 	return 0
-}
-
-func buildAgent(t testing.TB, dir string) string {
-	t.Helper()
-	bin := filepath.Join(dir, "berth-agent")
-	cmd := exec.Command("go", "build", "-o", bin, "./nodeagent/cmd/berth-agent")
-	cmd.Dir = repotest.Root(t)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building berth-agent: %v\n%s", err, out)
-	}
-	return bin
 }
 
 func newUUID() string {
