@@ -47,6 +47,10 @@ func (ca *CA) Intermediates() *x509.CertPool { return ca.inters }
 // BundlePEM is the root followed by the intermediate, as an operator would configure them.
 func (ca *CA) BundlePEM() []byte { return ca.bundle }
 
+// Manufacture makes a TPM state in dir with EK certificates from the CA, for a swtpm that the caller runs
+// itself (a QEMU guest's, say).
+func (ca *CA) Manufacture(dir string) error { return ca.ca.Manufacture(dir) }
+
 // TPM is a running swtpm reachable on a Unix socket.
 type TPM struct {
 	Socket string

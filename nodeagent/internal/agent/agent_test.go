@@ -5,7 +5,6 @@ import (
 	"errors"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -23,12 +22,11 @@ import (
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
-	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
-	"github.com/berthlabs/berth/internal/pki"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/clustertest"
 )
 
 // kubeadmRecorder stands in for kubeadm: init writes an admin kubeconfig, join and reset are recorded, and
@@ -82,23 +80,14 @@ type labNode struct {
 	agent   *Agent
 	cfg     *Config
 	kubeadm *kubeadmRecorder
-	logs    *joinlab.SafeBuffer
+	logs    *clustertest.SafeBuffer
 }
 
 // TestBootInitThenJoin runs berth-agent's boot for real on two machines: a control-plane node that the init
 // client initializes and that then serves joins from its stored secrets, and a worker that joins through it,
 // reboots and rejoins.
 func TestBootInitThenJoin(t *testing.T) {
-	ekCA := swtpmtest.NewCA(t)
 	kube := fake.NewClientset()
-	joinCA, err := pki.NewCA("berth-join-ca", time.Now(), 365*24*time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeCA, err := pki.NewCA("kubernetes", time.Now(), 365*24*time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
 	initSecret, err := initsecret.NewSecret()
 	if err != nil {
 		t.Fatal(err)
@@ -109,21 +98,10 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	cpAddr, workerAddr, brokenAddr := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3"), netip.MustParseAddr("127.0.0.4")
 	joinPort, initPort := freePort(t, cpAddr.String()), freePort(t, cpAddr.String())
-	doc := &metadata.Document{
-		UserData: metadata.UserData{ClusterName: "boot", JoinPort: uint16(joinPort), JoinCAPin: pki.SPKIPin(joinCA.Cert), InitSecretHash: hash},
-		Instances: []metadata.Instance{
-			{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{cpAddr}},
-			{Name: "worker-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{workerAddr}},
-			{Name: "worker-1", Role: metadata.RoleWorker, Addresses: []netip.Addr{brokenAddr}},
-		},
-	}
-	metaLis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: metadata.NewServer(doc, slog.New(slog.DiscardHandler)), ReadHeaderTimeout: time.Second}
-	go hs.Serve(metaLis)
-	t.Cleanup(func() { hs.Close() })
+	c := clustertest.New(t, clustertest.Options{Name: "boot", JoinPort: uint16(joinPort), ControlPlaneAddr: cpAddr, InitSecretHash: hash})
+	c.AddInstances(metadata.Instance{Name: "worker-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{workerAddr}},
+		metadata.Instance{Name: "worker-1", Role: metadata.RoleWorker, Addresses: []netip.Addr{brokenAddr}})
+	ekCA, joinCA, kubeCA := c.EKCA, c.JoinCA, c.KubeCA
 	bundle := filepath.Join(t.TempDir(), "ek-ca.pem")
 	if err := os.WriteFile(bundle, ekCA.BundlePEM(), 0o644); err != nil {
 		t.Fatal(err)
@@ -137,18 +115,19 @@ func TestBootInitThenJoin(t *testing.T) {
 			t.Fatal(err)
 		}
 		cfg := &Config{
-			MetadataURL: "http://" + metaLis.Addr().String(), TPM: tpm.Device(), StateDisk: img,
+			MetadataURL: c.MetaURL, TPM: tpm.Device(), StateDisk: img,
 			Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "etc-kubernetes"),
 				KubeletDir: filepath.Join(dir, "var-lib-kubelet")},
 			SourceAddress: addr.String(), InitListen: net.JoinHostPort(addr.String(), strconv.Itoa(initPort)),
-			JoinListenHost: addr.String(), EKCABundle: bundle, PCRs: joinlab.QuotedPCRs,
+			JoinListenHost: addr.String(), EKCABundle: bundle, PCRs: clustertest.QuotedPCRs,
 			RetryMax: Duration{200 * time.Millisecond},
 		}
 		cfg.Defaults()
-		n := &labNode{cfg: cfg, kubeadm: &kubeadmRecorder{paths: cfg.Paths}, logs: &joinlab.SafeBuffer{}}
+		n := &labNode{cfg: cfg, kubeadm: &kubeadmRecorder{paths: cfg.Paths}, logs: &clustertest.SafeBuffer{}}
 		deps := RealDeps(cfg, slog.New(slog.NewTextHandler(n.logs, nil)))
 		deps.Kubeadm = n.kubeadm
 		deps.KubeClient = func(string) (kubernetes.Interface, error) { return kube, nil }
+		var err error
 		if n.agent, err = New(cfg, deps); err != nil {
 			t.Fatal(err)
 		}
@@ -173,14 +152,7 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	t.Cleanup(func() { stop() })
 
-	master, err := keys.NewSecret()
-	if err != nil {
-		t.Fatal(err)
-	}
-	salt, err := keys.NewSecret()
-	if err != nil {
-		t.Fatal(err)
-	}
+	master, salt := c.Master, c.Salt
 	kubeKey, err := kubeCA.KeyPEM()
 	if err != nil {
 		t.Fatal(err)
@@ -189,12 +161,12 @@ func TestBootInitThenJoin(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	policyYAML, err := joinlab.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker).Marshal()
+	policyYAML, err := clustertest.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker).Marshal()
 	if err != nil {
 		t.Fatal(err)
 	}
 	expected := map[int][]byte{}
-	for _, i := range joinlab.QuotedPCRs {
+	for _, i := range clustertest.QuotedPCRs {
 		expected[i] = make([]byte, 32)
 	}
 	var progress []string
@@ -207,7 +179,7 @@ func TestBootInitThenJoin(t *testing.T) {
 			InitSecret: []byte(initSecret), MasterSecret: master, Salt: salt,
 			KubernetesCaCertificate: kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: joinCA.CertPEM(), JoinCaKey: joinKey,
-			ClusterName: "boot", KubernetesVersion: "v1.36.3", JoinPolicy: policyYAML,
+			ClusterName: "boot", KubernetesVersion: repotest.KubernetesVersion, JoinPolicy: policyYAML,
 		},
 	})
 	if err != nil {

@@ -22,17 +22,16 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/clustertest"
 	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/test/measuredboot"
 	"github.com/berthlabs/berth/test/packertest"
@@ -111,7 +110,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	}
 
 	clock.start("host: kube-apiserver, metadata, join service knowing only berth-image.json")
-	cluster := startHost(t, dir, images["image"])
+	cluster := startHost(t, images["image"])
 
 	clock.start("boot: image → attested and accepted")
 	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), `"msg":"join ticket received"`)
@@ -151,33 +150,12 @@ func TestMeasuredBootJoin(t *testing.T) {
 // host is the cluster side of the test: what the guest reaches through QEMU's forwards.
 type host struct {
 	forwards []measuredboot.Forward
-	ekCA     *swtpm.CA
+	ekCA     *swtpmtest.CA
 	joinLog  *logLines
 }
 
-func startHost(t *testing.T, dir string, img *manifest.Image) *host {
+func startHost(t *testing.T, img *manifest.Image) *host {
 	api := kubetest.Start(t)
-	ekCA, err := swtpm.NewCA(filepath.Join(dir, "ek-ca"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots, inters, err := ekCA.Pools()
-	if err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now()
-	joinCA, err := pki.NewCA("berth-join-ca", now, 24*time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
-	master, err := keys.NewSecret()
-	if err != nil {
-		t.Fatal(err)
-	}
-	salt, err := keys.NewSecret()
-	if err != nil {
-		t.Fatal(err)
-	}
 
 	// The policy is berth-image.json's prediction and nothing else.
 	pcrs := map[int][]byte{}
@@ -200,27 +178,20 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 		t.Fatal(err)
 	}
 	joinPort := joinLis.Addr().(*net.TCPAddr).Port
-	doc := &metadata.Document{
-		UserData: metadata.UserData{ClusterName: "e2e", JoinPort: uint16(joinPort), JoinCAPin: pki.SPKIPin(joinCA.Cert)},
-		Instances: []metadata.Instance{
-			{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{joinGuestAddr}},
-			{Name: "node-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{nodeAddr}},
-		},
-	}
-	if err := doc.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	metaAddr := joinlab.ServeMetadata(t, metadata.NewServer(doc, slog.New(slog.DiscardHandler)))
+	c := clustertest.New(t, clustertest.Options{Name: "e2e", JoinPort: uint16(joinPort), ControlPlaneAddr: joinGuestAddr,
+		KubernetesCA: api.CA})
+	c.AddInstances(metadata.Instance{Name: "node-0", Role: metadata.RoleWorker, Addresses: []netip.Addr{nodeAddr}})
+	metaAddr := strings.TrimPrefix(c.MetaURL, "http://")
 
-	h := &host{ekCA: ekCA, joinLog: &logLines{}}
+	h := &host{ekCA: c.EKCA, joinLog: &logLines{}}
 	svc, err := joinservice.New(joinservice.Config{
-		Verifier:          attest.NewVerifier(roots, inters, nil),
+		Verifier:          attest.NewVerifier(c.EKCA.Roots(), c.EKCA.Intermediates(), nil),
 		Policy:            policy.NewStore(pol),
-		Instances:         &metadata.Client{BaseURL: "http://" + metaAddr},
+		Instances:         &metadata.Client{BaseURL: c.MetaURL},
 		Tokens:            &joinservice.KubeTokens{Client: api.Client},
 		Disks:             &joinservice.KubeDisks{Client: api.Client},
-		MasterSecret:      master,
-		Salt:              salt,
+		MasterSecret:      c.Master,
+		Salt:              c.Salt,
 		KubernetesCA:      api.CA,
 		APIServerEndpoint: strings.TrimPrefix(api.URL, "https://"),
 		KubernetesVersion: repotest.KubernetesVersion,
@@ -233,12 +204,12 @@ func startHost(t *testing.T, dir string, img *manifest.Image) *host {
 	if err != nil {
 		t.Fatal(err)
 	}
-	leaf, err := joinCA.IssueServer(key.Public(), []string{"cp-0"}, []net.IP{joinGuestAddr.AsSlice()}, now, time.Hour)
+	leaf, err := c.JoinCA.IssueServer(key.Public(), []string{"cp-0"}, []net.IP{joinGuestAddr.AsSlice()}, time.Now(), time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The chain goes with the leaf: the node holds only the join CA's pin.
-	cert := tls.Certificate{Certificate: [][]byte{leaf.Raw, joinCA.Cert.Raw}, PrivateKey: key, Leaf: leaf}
+	cert := tls.Certificate{Certificate: [][]byte{leaf.Raw, c.JoinCA.Cert.Raw}, PrivateKey: key, Leaf: leaf}
 	srv := grpc.NewServer(rpc.ServerOptions(cert)...)
 	berthv1.RegisterJoinServiceServer(srv, svc)
 	go srv.Serve(joinLis)
@@ -372,7 +343,7 @@ func (s *stages) print() {
 }
 
 // logLines collects what a process writes, line by line, for tests to wait on.
-type logLines struct{ joinlab.SafeBuffer }
+type logLines struct{ clustertest.SafeBuffer }
 
 func (l *logLines) len() int { return len(l.lines()) }
 

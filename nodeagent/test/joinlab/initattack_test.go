@@ -18,17 +18,19 @@ import (
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/test/clustertest"
 )
 
 // initTarget is a fresh control-plane node of the lab running its init server.
 type initTarget struct {
 	addr    string
 	secret  string
-	logs    *SafeBuffer
+	logs    *clustertest.SafeBuffer
 	kubeadm *Kubeadm
 }
 
@@ -47,11 +49,11 @@ func (l *Lab) startInitServer(t *testing.T, name string) *initTarget {
 	if err != nil {
 		t.Fatal(err)
 	}
-	it := &initTarget{secret: secret, logs: &SafeBuffer{}, kubeadm: &Kubeadm{KubernetesDir: n.Paths.KubernetesDir}}
+	it := &initTarget{secret: secret, logs: &clustertest.SafeBuffer{}, kubeadm: &Kubeadm{KubernetesDir: n.Paths.KubernetesDir}}
 	srv, err := initserver.New(initserver.Config{
 		Prover: n.Prover, Lock: &nodestate.Lock{}, Disk: n.Disk, Prepared: prepared,
 		Self: &metadata.Self{Instance: metadata.Instance{Name: n.Name, Role: n.Role, Addresses: []netip.Addr{n.Addr}},
-			UserData: metadata.UserData{ClusterName: "lab", JoinPort: 1, JoinCAPin: l.doc.UserData.JoinCAPin, InitSecretHash: hash}},
+			UserData: metadata.UserData{ClusterName: "lab", JoinPort: 1, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert), InitSecretHash: hash}},
 		Kubeadm: it.kubeadm, Recorder: it.kubeadm, Paths: n.Paths, Logger: slog.New(slog.NewTextHandler(it.logs, nil)),
 	})
 	if err != nil {
@@ -85,7 +87,7 @@ func (l *Lab) initWith(t *testing.T, it *initTarget, secret string) (*berthv1.In
 		t.Fatal(err)
 	}
 	expected := map[int][]byte{}
-	for _, i := range QuotedPCRs {
+	for _, i := range clustertest.QuotedPCRs {
 		expected[i] = make([]byte, 32)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -1,5 +1,5 @@
-// Package joinlab stands up the join side of a Berth cluster on loopback for tests: the lab's metadata
-// service, a join service speaking gRPC over TLS 1.3 with a certificate from the join CA, and nodes that each
+// Package joinlab stands up the join side of a Berth cluster on loopback for tests: the cluster fixture's
+// secrets, CAs and metadata service (test/clustertest), a join service speaking gRPC over TLS 1.3 with a certificate from the join CA, and nodes that each
 // have their own swtpm (EK certificate from a test CA), their own LUKS2 state-disk image and their own
 // loopback address (127.0.0.2, 127.0.0.3, …), so that the service tells them apart by address as it would in
 // a cloud. The Kubernetes API is client-go's fake clientset here; the real API server is the cluster lab's.
@@ -9,15 +9,11 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -28,7 +24,6 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/clusterinfo"
-	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
@@ -39,28 +34,20 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/test/clustertest"
 )
-
-// QuotedPCRs are the PCRs the lab's policy pins. A fresh swtpm starts with them all zero.
-var QuotedPCRs = []int{0, 4, 7, 9, 11}
 
 // Lab is one cluster's join side.
 type Lab struct {
-	t            testing.TB
-	EKCA         *swtpmtest.CA
-	JoinCA       *pki.CA
-	KubeCA       *pki.CA
-	Master, Salt []byte
-	Policy       *policy.Store
-	Kube         *fake.Clientset
-	Meta         *metadata.Server
-	MetaURL      string
-	JoinAddr     string // host:port of the join service
-	Logs         *SafeBuffer
-	Service      *joinservice.Server
+	*clustertest.Cluster
+	t        testing.TB
+	Policy   *policy.Store
+	Kube     *fake.Clientset
+	JoinAddr string // host:port of the join service
+	Logs     *clustertest.SafeBuffer
+	Service  *joinservice.Server
 
 	mu   sync.Mutex
-	doc  metadata.Document
 	next int
 }
 
@@ -89,37 +76,14 @@ func WithoutKubeadm(settings *berthv1.KubeletSettings) Option {
 // has 127.0.0.1.
 func New(t testing.TB, opts ...Option) *Lab {
 	t.Helper()
-	now := time.Now()
-	l := &Lab{t: t, EKCA: swtpmtest.NewCA(t), Kube: fake.NewClientset(), Logs: &SafeBuffer{}, next: 2}
-	var err error
-	if l.JoinCA, err = pki.NewCA("berth-join-ca", now, 10*365*24*time.Hour); err != nil {
-		t.Fatal(err)
-	}
-	if l.KubeCA, err = pki.NewCA("kubernetes", now, 10*365*24*time.Hour); err != nil {
-		t.Fatal(err)
-	}
-	if l.Master, err = keys.NewSecret(); err != nil {
-		t.Fatal(err)
-	}
-	if l.Salt, err = keys.NewSecret(); err != nil {
-		t.Fatal(err)
-	}
-	l.Policy = policy.NewStore(ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker))
-
-	joinLis, err := net.Listen("tcp", "127.0.0.1:0")
+	joinLis, err := net.Listen("tcp", net.JoinHostPort(clustertest.ServiceAddr.String(), "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.JoinAddr = joinLis.Addr().String()
-	_, portStr, _ := net.SplitHostPort(l.JoinAddr)
-	port, _ := strconv.Atoi(portStr)
-	l.doc = metadata.Document{
-		UserData: metadata.UserData{ClusterName: "lab", JoinPort: uint16(port), JoinCAPin: pki.SPKIPin(l.JoinCA.Cert)},
-		Instances: []metadata.Instance{{Name: "cp-0", Role: metadata.RoleControlPlane,
-			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
-	}
-	l.Meta = metadata.NewServer(l.document(), slog.New(slog.DiscardHandler))
-	l.MetaURL = "http://" + ServeMetadata(t, l.Meta)
+	l := &Lab{t: t, Kube: fake.NewClientset(), Logs: &clustertest.SafeBuffer{}, next: 2,
+		JoinAddr: joinLis.Addr().String()}
+	l.Cluster = clustertest.New(t, clustertest.Options{Name: "lab", JoinPort: uint16(joinLis.Addr().(*net.TCPAddr).Port)})
+	l.Policy = policy.NewStore(clustertest.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker))
 
 	cfg := joinservice.Config{
 		Verifier:          attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
@@ -154,19 +118,6 @@ func New(t testing.TB, opts ...Option) *Lab {
 	return l
 }
 
-// ServeMetadata serves meta on a loopback port until the test ends and returns its host:port.
-func ServeMetadata(t testing.TB, meta *metadata.Server) string {
-	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: meta, ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(lis)
-	t.Cleanup(func() { srv.Close() })
-	return lis.Addr().String()
-}
-
 // ServerCert issues a join-service certificate for 127.0.0.1 from ca, chain included.
 func (l *Lab) ServerCert(ca *pki.CA) tls.Certificate {
 	key, err := pki.NewKey()
@@ -178,21 +129,6 @@ func (l *Lab) ServerCert(ca *pki.CA) tls.Certificate {
 		l.t.Fatal(err)
 	}
 	return tls.Certificate{Certificate: [][]byte{leaf.Raw, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}
-}
-
-// ZeroPolicy allows the measurements of a fresh swtpm for roles.
-func ZeroPolicy(name string, roles ...metadata.Role) *policy.Policy {
-	pcrs := map[int][]byte{}
-	for _, i := range QuotedPCRs {
-		pcrs[i] = make([]byte, 32)
-	}
-	return &policy.Policy{Images: []policy.Image{{Name: name, Roles: roles, PCRs: pcrs}}}
-}
-
-func (l *Lab) document() *metadata.Document {
-	d := l.doc
-	d.Instances = append([]metadata.Instance(nil), l.doc.Instances...)
-	return &d
 }
 
 // Node is one lab machine.
@@ -223,11 +159,10 @@ func (l *Lab) addNode(name string, role metadata.Role, listed bool) *Node {
 	l.mu.Lock()
 	addr := netip.AddrFrom4([4]byte{127, 0, 0, byte(l.next)})
 	l.next++
-	if listed {
-		l.doc.Instances = append(l.doc.Instances, metadata.Instance{Name: name, Role: role, Addresses: []netip.Addr{addr}})
-		l.Meta.Replace(l.document())
-	}
 	l.mu.Unlock()
+	if listed {
+		l.AddInstances(metadata.Instance{Name: name, Role: role, Addresses: []netip.Addr{addr}})
+	}
 
 	n := &Node{Name: name, Role: role, Addr: addr, TPM: l.EKCA.NewTPM(l.t)}
 	tpm, err := attest.OpenTPM(n.TPM.Device())
@@ -252,20 +187,7 @@ func (l *Lab) addNode(name string, role metadata.Role, listed bool) *Node {
 
 // Metadata is the node's metadata client, dialing from the node's own address.
 func (l *Lab) Metadata(n *Node) *metadata.Client {
-	return &metadata.Client{BaseURL: l.MetaURL, LocalAddr: n.Addr}
-}
-
-// DiskKey is the key the join service derives for a disk.
-func (l *Lab) DiskKey(uuid string) []byte {
-	label, err := keys.DiskLabel(uuid)
-	if err != nil {
-		l.t.Fatal(err)
-	}
-	k, err := keys.Derive(l.Master, l.Salt, label, 32)
-	if err != nil {
-		l.t.Fatal(err)
-	}
-	return k
+	return l.Cluster.Metadata(n.Addr)
 }
 
 // CreateSparse makes an empty sparse file of size bytes.
@@ -322,27 +244,4 @@ func (k *Kubeadm) Reset(ctx context.Context, progress func(string)) error {
 	k.Resets++
 	k.mu.Unlock()
 	return nil
-}
-
-// SafeBuffer is a log sink tests can read while servers write to it.
-type SafeBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *SafeBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *SafeBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// Logf is the test's view of what a component logged, for failure messages.
-func (s *SafeBuffer) Logf(format string, args ...any) string {
-	return fmt.Sprintf(format, args...) + "\n--- join service log ---\n" + s.String()
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/test/clustertest"
 )
 
 type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]
@@ -79,7 +80,7 @@ func evidenceOn(t *testing.T, n *Node, st bidi) *berthv1.Evidence {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev, err := n.Prover.Evidence(nonce, QuotedPCRs)
+	ev, err := n.Prover.Evidence(nonce, clustertest.QuotedPCRs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,9 +219,9 @@ func TestMaliciousJoin(t *testing.T) {
 		t.Fatalf("honest join of worker-2: %v", err)
 	}
 
-	zero := ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker)
+	zero := clustertest.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker)
 	past := time.Now().Add(-time.Hour)
-	expired := ZeroPolicy("swtpm-zero-old", metadata.RoleControlPlane, metadata.RoleWorker)
+	expired := clustertest.ZeroPolicy("swtpm-zero-old", metadata.RoleControlPlane, metadata.RoleWorker)
 	expired.Images[0].Expires = &past
 	garbage := func(t *testing.T, _ *berthv1.ActivationChallenge) []byte { return bytes.Repeat([]byte{7}, 32) }
 	tls12, err := rpc.PinnedTLS(pki.SPKIPin(lab.JoinCA.Cert), nil)
@@ -239,7 +240,7 @@ func TestMaliciousJoin(t *testing.T) {
 		{name: "PCR differs from every allowed image", attack: attack{node: worker}, policy: withPCR(zero, 9, 0xab),
 			code: codes.PermissionDenied, message: "PCR 9"},
 		{name: "image not allowed for the role", attack: attack{node: worker},
-			policy: ZeroPolicy("cp-only", metadata.RoleControlPlane), code: codes.PermissionDenied, message: "worker"},
+			policy: clustertest.ZeroPolicy("cp-only", metadata.RoleControlPlane), code: codes.PermissionDenied, message: "worker"},
 		{name: "policy entry expired", attack: attack{node: worker}, policy: expired, code: codes.PermissionDenied, message: "expired"},
 		{name: "empty policy", attack: attack{node: worker}, policy: &policy.Policy{}, code: codes.PermissionDenied},
 		{name: "quote relayed from another connection", code: codes.Unauthenticated, message: "nonce",
@@ -266,11 +267,11 @@ func TestMaliciousJoin(t *testing.T) {
 			}}},
 		{name: "attestation key not in the EK's TPM", code: codes.Unauthenticated, message: "credential activation",
 			attack: attack{node: worker, evidence: func(t *testing.T, nonce []byte) *berthv1.Evidence {
-				ev, err := worker.Prover.Evidence(nonce, QuotedPCRs)
+				ev, err := worker.Prover.Evidence(nonce, clustertest.QuotedPCRs)
 				if err != nil {
 					t.Fatal(err)
 				}
-				donor, err := other.Prover.Evidence(nonce, QuotedPCRs)
+				donor, err := other.Prover.Evidence(nonce, clustertest.QuotedPCRs)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -290,7 +291,7 @@ func TestMaliciousJoin(t *testing.T) {
 		{name: "EK certificate from an unknown CA", attack: attack{node: foreignTPM}, code: codes.Unauthenticated, message: "EK root"},
 		{name: "quote signature forged", code: codes.Unauthenticated, message: "quote",
 			attack: attack{node: worker, evidence: func(t *testing.T, nonce []byte) *berthv1.Evidence {
-				ev, err := worker.Prover.Evidence(nonce, QuotedPCRs)
+				ev, err := worker.Prover.Evidence(nonce, clustertest.QuotedPCRs)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -370,7 +371,7 @@ func TestMaliciousJoin(t *testing.T) {
 	t.Run("agent refuses a join service not signed by the pinned CA", func(t *testing.T) {
 		impostor := newImpostor(t, lab)
 		n := lab.AddNode("worker-3", metadata.RoleWorker)
-		logs := &SafeBuffer{}
+		logs := &clustertest.SafeBuffer{}
 		client := joinclient.New(joinclient.Config{
 			Metadata: impostor.metadataFor(n), Prover: n.Prover, Disk: n.Disk, Lock: &nodestate.Lock{},
 			Kubeadm: &Kubeadm{}, Paths: n.Paths, LocalAddr: n.Addr,

@@ -24,7 +24,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/clustertest"
 )
 
 // faultStorm is how many agents each fault run boots: enough that a storm lasts about a second here, so
@@ -221,7 +221,7 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		var out joinlab.SafeBuffer
+		var out clustertest.SafeBuffer
 		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
 		cmd.Env = append(os.Environ(), env...)
 		cmd.Stdout, cmd.Stderr = &out, &out

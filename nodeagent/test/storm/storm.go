@@ -17,7 +17,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/netip"
 	"os"
@@ -34,7 +33,6 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
-	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
@@ -42,29 +40,23 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
-	"github.com/berthlabs/berth/nodeagent/test/joinlab"
+	"github.com/berthlabs/berth/test/clustertest"
 	"github.com/berthlabs/berth/test/kubetest"
 )
 
 // Host is the cluster side of a storm.
 type Host struct {
-	t       testing.TB
-	dir     string
-	API     *kubetest.APIServer
-	EKCA    *swtpmtest.CA
-	Master  []byte
-	Salt    []byte
-	MetaURL string
-	JoinCA  *pki.CA
+	*clustertest.Cluster
+	t   testing.TB
+	dir string
+	API *kubetest.APIServer
 
 	agentBin string
 	config   string
-	joinPort uint16
-	meta     *metadata.Server
-	doc      metadata.Document
 	provers  []*attest.Prover
 
 	mu      sync.Mutex
+	workers int
 	service *Service
 }
 
@@ -72,27 +64,10 @@ type Host struct {
 // prepares the join service's node (secrets, CA, policy) without starting it.
 func NewHost(t testing.TB, tpms int) *Host {
 	t.Helper()
-	h := &Host{t: t, dir: t.TempDir(), EKCA: swtpmtest.NewCA(t)}
+	h := &Host{t: t, dir: t.TempDir()}
 	h.API = kubetest.Start(t)
-	var err error
-	if h.Master, err = keys.NewSecret(); err != nil {
-		t.Fatal(err)
-	}
-	if h.Salt, err = keys.NewSecret(); err != nil {
-		t.Fatal(err)
-	}
-	if h.JoinCA, err = pki.NewCA("berth-join-ca", time.Now(), 24*time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: uint16(kubetest.FreePort(t)), KubernetesCA: h.API.CA})
 	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
-	h.joinPort = uint16(kubetest.FreePort(t))
-	h.doc = metadata.Document{
-		UserData: metadata.UserData{ClusterName: "storm", JoinPort: h.joinPort, JoinCAPin: pki.SPKIPin(h.JoinCA.Cert)},
-		Instances: []metadata.Instance{{Name: "cp-0", Role: metadata.RoleControlPlane,
-			Addresses: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}},
-	}
-	h.meta = metadata.NewServer(h.document(), slog.New(slog.DiscardHandler))
-	h.MetaURL = "http://" + joinlab.ServeMetadata(t, h.meta)
 
 	var wg sync.WaitGroup
 	h.provers = make([]*attest.Prover, tpms)
@@ -120,26 +95,20 @@ func NewHost(t testing.TB, tpms int) *Host {
 	return h
 }
 
-func (h *Host) document() *metadata.Document {
-	d := h.doc
-	d.Instances = slices.Clone(h.doc.Instances)
-	return &d
-}
-
 // AddWorkers gives n more workers instance records, on loopback addresses from 127.1.0.1 up, and returns
 // their names and addresses in order.
 func (h *Host) AddWorkers(n int) []metadata.Instance {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	first := len(h.doc.Instances) - 1
+	first := h.workers
+	h.workers += n
 	added := make([]metadata.Instance, n)
 	for i := range n {
 		k := first + i + 1
 		addr := netip.AddrFrom4([4]byte{127, byte(1 + k/65536), byte(k / 256 % 256), byte(k % 256)})
 		added[i] = metadata.Instance{Name: fmt.Sprintf("worker-%d", k), Role: metadata.RoleWorker, Addresses: []netip.Addr{addr}}
 	}
-	h.doc.Instances = append(h.doc.Instances, added...)
-	h.meta.Replace(h.document())
+	h.AddInstances(added...)
 	return added
 }
 
@@ -164,7 +133,7 @@ func (h *Host) writeServiceNode() {
 		t.Fatal(err)
 	}
 	// Fresh swtpms hold zeros in every PCR the agents quote.
-	polData, err := joinlab.ZeroPolicy("swtpm-zero", metadata.RoleWorker).Marshal()
+	polData, err := clustertest.ZeroPolicy("swtpm-zero", metadata.RoleWorker).Marshal()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -200,7 +169,7 @@ func (h *Host) writeServiceNode() {
 // Service is a running join service process.
 type Service struct {
 	cmd     *exec.Cmd
-	log     *joinlab.SafeBuffer
+	log     *clustertest.SafeBuffer
 	Ready   time.Time
 	Debug   string // its pprof address
 	cpu0    time.Duration
@@ -212,7 +181,7 @@ func (h *Host) StartService() *Service {
 	t := h.t
 	t.Helper()
 	debug := fmt.Sprintf("127.0.0.1:%d", kubetest.FreePort(t))
-	s := &Service{log: &joinlab.SafeBuffer{}, Debug: debug}
+	s := &Service{log: &clustertest.SafeBuffer{}, Debug: debug}
 	s.cmd = exec.Command(h.agentBin, "joinservice", "--config", h.config, "--debug-listen", debug)
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
@@ -315,14 +284,14 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 	disk := &keyRecorder{}
 	a.Disk = newUUID()
 	jc := joinclient.New(joinclient.Config{
-		Metadata: &metadata.Client{BaseURL: h.MetaURL, LocalAddr: w.Addresses[0]},
+		Metadata: h.Metadata(w.Addresses[0]),
 		Prover:   h.provers[i%len(h.provers)],
 		Disk:     disk,
 		Lock:     &nodestate.Lock{},
 		Kubeadm:  noKubeadm{},
 		Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "kubernetes"),
 			KubeletDir: filepath.Join(dir, "kubelet")},
-		PCRs: joinlab.QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
+		PCRs: clustertest.QuotedPCRs, LocalAddr: w.Addresses[0], Backoff: bo, Rand: rnd,
 	})
 	a.Start = time.Now()
 	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, Fresh: true, InitialKey: make([]byte, 32)})
@@ -372,7 +341,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 	if err != nil {
 		return 0, 0, err
 	}
-	var out joinlab.SafeBuffer
+	var out clustertest.SafeBuffer
 	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
@@ -408,7 +377,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string) (string, error) {
 	cfg := map[string]any{
 		"metadataURL": h.MetaURL, "tpm": tpm, "stateDisk": img, "sourceAddress": addr, "kubeadm": kubeadm,
-		"pcrs": joinlab.QuotedPCRs, "retryMax": "2s",
+		"pcrs": clustertest.QuotedPCRs, "retryMax": "2s",
 		"paths": map[string]string{"state": filepath.Join(dir, "state"), "kubernetesDir": filepath.Join(dir, "kubernetes"),
 			"kubeletDir": filepath.Join(dir, "kubelet")},
 	}
