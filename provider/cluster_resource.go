@@ -24,13 +24,13 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/clusterinfo"
+	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
@@ -206,9 +206,8 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 		return
 	}
 	if known(m.ClusterName) {
-		if msgs := validation.IsDNS1123Label(m.ClusterName.ValueString()); len(msgs) > 0 {
-			resp.Diagnostics.AddAttributeError(path.Root("cluster_name"), "Invalid cluster name",
-				fmt.Sprintf("%q is not a DNS-1123 label: %s.", m.ClusterName.ValueString(), strings.Join(msgs, "; ")))
+		if err := clustername.Validate(m.ClusterName.ValueString()); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("cluster_name"), "Invalid cluster name", err.Error()+".")
 		}
 	}
 	for _, a := range []struct {

@@ -15,8 +15,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/berthlabs/berth/internal/clustername"
 )
 
 // Where the record lives, and its keys.
@@ -45,8 +46,8 @@ func (i Info) Validate() error {
 	if len(i.ID) != idLen || !isLowerHex(i.ID) {
 		return fmt.Errorf("cluster ID %q is not %d lowercase hex digits", i.ID, idLen)
 	}
-	if msgs := validation.IsDNS1123Label(i.Name); len(msgs) > 0 {
-		return fmt.Errorf("cluster name %q is not a DNS-1123 label", i.Name)
+	if err := clustername.Validate(i.Name); err != nil {
+		return err
 	}
 	return nil
 }

@@ -32,6 +32,8 @@ import (
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	"k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm/v1beta4"
 	"sigs.k8s.io/yaml"
+
+	"github.com/berthlabs/berth/internal/clustername"
 )
 
 // Defaults applied when a parameter is left empty.
@@ -147,8 +149,8 @@ func InitConfig(p InitParams) ([]byte, error) {
 		return nil, fmt.Errorf("kubernetes version %q is not a semantic version such as v1.36.3", p.KubernetesVersion)
 	}
 	if p.ClusterName != "" {
-		if errs := validation.IsDNS1123Subdomain(p.ClusterName); len(errs) > 0 {
-			return nil, fmt.Errorf("cluster name %q is not a DNS-1123 subdomain: %s", p.ClusterName, strings.Join(errs, "; "))
+		if err := clustername.Validate(p.ClusterName); err != nil {
+			return nil, err
 		}
 	}
 	podSubnet, err := subnet("pod subnet", p.PodSubnet, DefaultPodSubnet)

@@ -283,7 +283,7 @@ func TestInitConfigRejects(t *testing.T) {
 		{"endpoint bad host", func(p *InitParams) { p.ControlPlaneEndpoint = "api_example:6443" }, "neither an IP address nor a DNS name"},
 		{"no version", func(p *InitParams) { p.KubernetesVersion = "" }, "kubernetes version is required"},
 		{"version label", func(p *InitParams) { p.KubernetesVersion = "stable-1" }, "\"stable-1\" is not a semantic version"},
-		{"cluster name", func(p *InitParams) { p.ClusterName = "Berth Test" }, "cluster name \"Berth Test\" is not a DNS-1123 subdomain"},
+		{"cluster name", func(p *InitParams) { p.ClusterName = "Berth Test" }, "cluster name \"Berth Test\" is not a DNS-1123 label"},
 		{"pod subnet", func(p *InitParams) { p.PodSubnet = "10.244.0.0" }, "pod subnet \"10.244.0.0\""},
 		{"pod subnet host bits", func(p *InitParams) { p.PodSubnet = "10.244.1.0/16" }, "has host bits set, use 10.244.0.0/16"},
 		{"service subnet same family", func(p *InitParams) { p.ServiceSubnet = "10.96.0.0/12,10.128.0.0/12" }, "needs one IPv4 and one IPv6 CIDR"},

@@ -22,6 +22,8 @@ import (
 	"strings"
 
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/berthlabs/berth/internal/clustername"
 )
 
 // MaxDocumentSize bounds a metadata document and every response the client reads.
@@ -138,11 +140,8 @@ func isControl(r rune) bool {
 
 // Validate checks that u is complete enough for a node to join.
 func (u UserData) Validate() error {
-	if u.ClusterName == "" {
-		return errors.New("cluster name is empty")
-	}
-	if msgs := validation.IsDNS1123Label(u.ClusterName); len(msgs) > 0 {
-		return fmt.Errorf("cluster name %q is not a DNS-1123 label: %s", u.ClusterName, strings.Join(msgs, "; "))
+	if err := clustername.Validate(u.ClusterName); err != nil {
+		return err
 	}
 	seen := make(map[string]bool, len(u.JoinEndpoints))
 	for _, ep := range u.JoinEndpoints {

@@ -172,7 +172,7 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 		{"Kubernetes CA key of the join CA", func(r *berthv1.InitRequest) { r.KubernetesCaKey = joinKey }, "Kubernetes CA"},
 		{"join CA key missing", func(r *berthv1.InitRequest) { r.JoinCaKey = nil }, "join CA"},
 		{"one CA for both", func(r *berthv1.InitRequest) { r.JoinCaCertificate, r.JoinCaKey = kube.CertPEM(), kubeKey }, "different CAs"},
-		{"no cluster name", func(r *berthv1.InitRequest) { r.ClusterName = "" }, "cluster name is required"},
+		{"no cluster name", func(r *berthv1.InitRequest) { r.ClusterName = "" }, "cluster name is empty"},
 		{"cluster name with dots", func(r *berthv1.InitRequest) { r.ClusterName = "a.b" }, "DNS-1123 label"},
 		{"version without v", func(r *berthv1.InitRequest) { r.KubernetesVersion = "1.36.3" }, `kubernetes version "1.36.3"`},
 		{"version latest", func(r *berthv1.InitRequest) { r.KubernetesVersion = "stable" }, "release version"},

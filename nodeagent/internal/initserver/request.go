@@ -6,12 +6,10 @@ import (
 	"net"
 	"regexp"
 	"strconv"
-	"strings"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/validation"
-
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
@@ -72,11 +70,8 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 	if pki.SPKIPin(kubeCA.Cert) == pki.SPKIPin(joinCA.Cert) {
 		return nil, errors.New("the join CA and the Kubernetes CA have the same key; they must be different CAs")
 	}
-	if req.ClusterName == "" {
-		return nil, errors.New("cluster name is required")
-	}
-	if errs := validation.IsDNS1123Label(req.ClusterName); len(errs) > 0 {
-		return nil, fmt.Errorf("cluster name %q is not a DNS-1123 label: %s", req.ClusterName, strings.Join(errs, "; "))
+	if err := clustername.Validate(req.ClusterName); err != nil {
+		return nil, err
 	}
 	if !kubernetesVersion.MatchString(req.KubernetesVersion) {
 		return nil, fmt.Errorf("kubernetes version %q is not a release version such as v1.36.3", req.KubernetesVersion)
