@@ -54,58 +54,89 @@ func KubeletCertPath(p nodestate.Paths) string {
 // kubelet starts with an identity checked against the instance record instead of bootstrapping one of its
 // own choosing. Everything is checked and rendered before the first file is written.
 func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
-	p := cfg.Paths
-	caCert, err := x509.ParseCertificate(t.KubernetesCaCertificate)
-	if err != nil {
-		return "", fmt.Errorf("ticket's Kubernetes CA: %w", err)
-	}
-	cert, err := x509.ParseCertificate(t.KubeletCertificate)
-	if err != nil {
-		return "", fmt.Errorf("ticket's kubelet certificate: %w", err)
-	}
-	if err := cert.CheckSignatureFrom(caCert); err != nil {
-		return "", fmt.Errorf("ticket's kubelet certificate is not signed by its Kubernetes CA: %w", err)
-	}
-	if !kubeletKey.PublicKey.Equal(cert.PublicKey) {
-		return "", errors.New("ticket's kubelet certificate is not for the key this node sent in its CSR")
-	}
-	for _, f := range t.ControlPlaneFiles {
-		if !filepath.IsLocal(f.Path) {
-			return "", fmt.Errorf("control-plane file path %q leaves the certificates directory", f.Path)
-		}
-	}
-	if len(inst.Addresses) == 0 {
-		return "", errors.New("instance record has no address")
-	}
-	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
+	caCert, cert, err := checkTicket(inst, t, kubeletKey)
 	if err != nil {
 		return "", err
 	}
-	certPath := KubeletCertPath(p)
+	files, joinConfigPath, err := credentialFiles(cfg, inst, t, caCert, cert, kubeletKey)
+	if err != nil {
+		return "", err
+	}
+	for _, f := range files {
+		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
+			return "", err
+		}
+	}
+	return joinConfigPath, nil
+}
+
+// checkTicket checks what the node will trust in a ticket: a kubelet certificate that the ticket's CA
+// signed for this node's own key, control-plane files that stay in the certificates directory, and an
+// instance record with an address to join from. It returns the parsed CA and kubelet certificates.
+func checkTicket(inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (caCert, cert *x509.Certificate, err error) {
+	if caCert, err = x509.ParseCertificate(t.KubernetesCaCertificate); err != nil {
+		return nil, nil, fmt.Errorf("ticket's Kubernetes CA: %w", err)
+	}
+	if cert, err = x509.ParseCertificate(t.KubeletCertificate); err != nil {
+		return nil, nil, fmt.Errorf("ticket's kubelet certificate: %w", err)
+	}
+	if err := cert.CheckSignatureFrom(caCert); err != nil {
+		return nil, nil, fmt.Errorf("ticket's kubelet certificate is not signed by its Kubernetes CA: %w", err)
+	}
+	if !kubeletKey.PublicKey.Equal(cert.PublicKey) {
+		return nil, nil, errors.New("ticket's kubelet certificate is not for the key this node sent in its CSR")
+	}
+	for _, f := range t.ControlPlaneFiles {
+		if !filepath.IsLocal(f.Path) {
+			return nil, nil, fmt.Errorf("control-plane file path %q leaves the certificates directory", f.Path)
+		}
+	}
+	if len(inst.Addresses) == 0 {
+		return nil, nil, errors.New("instance record has no address")
+	}
+	return caCert, cert, nil
+}
+
+// kubeletKubeconfig is the kubelet's kubeconfig: the API server of the ticket, trusted through caCert, and
+// the client certificate and key in the one file at certPath, where the kubelet rotates them.
+func kubeletKubeconfig(apiServerEndpoint string, caCert *x509.Certificate, certPath string) ([]byte, error) {
 	kubeconfig := clientcmdapi.NewConfig()
 	kubeconfig.Clusters["default-cluster"] = &clientcmdapi.Cluster{
-		Server: "https://" + t.ApiServerEndpoint, CertificateAuthorityData: pki.EncodeCertPEM(caCert),
+		Server: "https://" + apiServerEndpoint, CertificateAuthorityData: pki.EncodeCertPEM(caCert),
 	}
 	kubeconfig.AuthInfos["default-auth"] = &clientcmdapi.AuthInfo{ClientCertificate: certPath, ClientKey: certPath}
 	kubeconfig.Contexts["default-context"] = &clientcmdapi.Context{Cluster: "default-cluster", AuthInfo: "default-auth"}
 	kubeconfig.CurrentContext = "default-context"
-	kubeconfigData, err := clientcmd.Write(*kubeconfig)
-	if err != nil {
-		return "", err
-	}
+	return clientcmd.Write(*kubeconfig)
+}
 
-	type file struct {
-		path string
-		data []byte
-		mode os.FileMode
+// credentialFile is one file a ticket leaves on the node.
+type credentialFile struct {
+	path string
+	data []byte
+	mode os.FileMode
+}
+
+// credentialFiles renders every file a checked ticket leaves on the node, in the order they are written,
+// and the path of the kubeadm join configuration among them ("" for the kubelet method).
+func credentialFiles(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket, caCert, cert *x509.Certificate, kubeletKey *ecdsa.PrivateKey) ([]credentialFile, string, error) {
+	p := cfg.Paths
+	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
+	if err != nil {
+		return nil, "", err
 	}
-	files := make([]file, 0, len(t.ControlPlaneFiles)+5)
+	certPath := KubeletCertPath(p)
+	kubeconfigData, err := kubeletKubeconfig(t.ApiServerEndpoint, caCert, certPath)
+	if err != nil {
+		return nil, "", err
+	}
+	files := make([]credentialFile, 0, len(t.ControlPlaneFiles)+5)
 	for _, f := range t.ControlPlaneFiles {
-		files = append(files, file{filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode & 0o644)})
+		files = append(files, credentialFile{filepath.Join(p.PKIDir(), f.Path), f.Content, os.FileMode(f.Mode & 0o644)})
 	}
 	files = append(files,
-		file{certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600},
-		file{filepath.Join(p.KubernetesDir, "kubelet.conf"), kubeconfigData, 0o600},
+		credentialFile{certPath, append(pki.EncodeCertPEM(cert), keyPEM...), 0o600},
+		credentialFile{filepath.Join(p.KubernetesDir, "kubelet.conf"), kubeconfigData, 0o600},
 	)
 	joinConfigPath := ""
 	switch t.JoinMethod {
@@ -118,13 +149,13 @@ func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket
 		}
 		joinConfig, err := kubeadm.JoinConfig(params)
 		if err != nil {
-			return "", err
+			return nil, "", err
 		}
 		joinConfigPath = filepath.Join(p.State, "kubeadm-join.yaml")
 		// pki/ca.crt is not written for workers: kubeadm join writes it from discovery and refuses to find
 		// one. The configuration holds the bootstrap token: it stays on the encrypted state disk, readable
 		// by root only.
-		files = append(files, file{joinConfigPath, joinConfig, 0o600})
+		files = append(files, credentialFile{joinConfigPath, joinConfig, 0o600})
 	case berthv1.JoinMethod_JOIN_METHOD_KUBELET:
 		caPath := filepath.Join(p.PKIDir(), "ca.crt")
 		settings := t.KubeletSettings
@@ -137,22 +168,17 @@ func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket
 			CRISocket: cfg.KubeadmJoin.CRISocket, Kubelet: cfg.Kubelet,
 		})
 		if err != nil {
-			return "", fmt.Errorf("kubelet configuration: %w", err)
+			return nil, "", fmt.Errorf("kubelet configuration: %w", err)
 		}
 		// The kubelet starts once its configuration and flags exist (kubelet.Supervisor, or systemd's
 		// drop-in), so they come last, after the credentials they name.
 		files = append(files,
-			file{caPath, pki.EncodeCertPEM(caCert), 0o644},
-			file{filepath.Join(p.KubeletDir, "config.yaml"), config, 0o644},
-			file{filepath.Join(p.KubeletDir, "kubeadm-flags.env"), flags, 0o644},
+			credentialFile{caPath, pki.EncodeCertPEM(caCert), 0o644},
+			credentialFile{filepath.Join(p.KubeletDir, "config.yaml"), config, 0o644},
+			credentialFile{filepath.Join(p.KubeletDir, "kubeadm-flags.env"), flags, 0o644},
 		)
 	default:
-		return "", fmt.Errorf("ticket's join method %v is not one this agent knows", t.JoinMethod)
+		return nil, "", fmt.Errorf("ticket's join method %v is not one this agent knows", t.JoinMethod)
 	}
-	for _, f := range files {
-		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
-			return "", err
-		}
-	}
-	return joinConfigPath, nil
+	return files, joinConfigPath, nil
 }
