@@ -66,7 +66,7 @@ func FuzzValidateRequest(f *testing.F) {
 		case casExpired:
 			req.JoinCaCertificate, req.JoinCaKey = oldCert, oldKey
 		}
-		p, err := validateRequest(req, inst, disk, kubeadm.InitParams{CertificatesDir: pkiDir}, now)
+		p, err := validateAndPlan(req, inst, disk, kubeadm.InitParams{CertificatesDir: pkiDir}, now)
 		if err != nil {
 			if p != nil {
 				t.Fatalf("refused request (%v) came with a plan", err)
@@ -158,7 +158,7 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := validateRequest(valid(), inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now); err != nil {
+	if _, err := validateAndPlan(valid(), inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now); err != nil {
 		t.Fatalf("valid request refused: %v", err)
 	}
 
@@ -183,7 +183,7 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r := valid()
 			tc.change(r)
-			_, err := validateRequest(r, inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now)
+			_, err := validateAndPlan(r, inst, disk, kubeadm.InitParams{CertificatesDir: "/etc/kubernetes/pki"}, now)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %v, want one containing %q", err, tc.want)
 			}
@@ -195,4 +195,13 @@ func TestValidateRequestErrorsHoldNoSecret(t *testing.T) {
 			}
 		})
 	}
+}
+
+// validateAndPlan is what the server does with a request once the init secret is accepted.
+func validateAndPlan(req *berthv1.InitRequest, inst metadata.Instance, disk keys.Label, base kubeadm.InitParams, now time.Time) (*plan, error) {
+	checked, err := validateRequest(req, inst, now)
+	if err != nil {
+		return nil, err
+	}
+	return planInit(checked, inst, disk, base)
 }

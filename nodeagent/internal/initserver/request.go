@@ -44,10 +44,15 @@ type plan struct {
 	secrets       *nodestate.ClusterSecrets
 }
 
-// validateRequest checks req for the node inst, whose state disk is disk, at now, and plans the init. base
-// holds this machine's kubeadm settings (image, phases, kubelet, certificates directory); the node's identity
-// and the request's cluster settings are filled in here. Errors name the field and never carry secret material.
-func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys.Label, base kubeadm.InitParams, now time.Time) (*plan, error) {
+// checkedRequest is an init request that validateRequest accepted, with the CAs it parsed on the way.
+type checkedRequest struct {
+	req            *berthv1.InitRequest
+	kubeCA, joinCA *pki.CA
+}
+
+// validateRequest checks req for the node inst at now, before anything is derived from it. Errors name the
+// field and never carry secret material.
+func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, now time.Time) (*checkedRequest, error) {
 	if req == nil {
 		return nil, errors.New("no init request")
 	}
@@ -84,6 +89,15 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 	if len(inst.Addresses) == 0 {
 		return nil, fmt.Errorf("instance %q has no address to advertise", inst.Name)
 	}
+	return &checkedRequest{req: req, kubeCA: kubeCA, joinCA: joinCA}, nil
+}
+
+// planInit derives everything the init of node inst, whose state disk is disk, needs from a checked request.
+// base holds this machine's kubeadm settings (image, phases, kubelet, certificates directory); the node's
+// identity and the request's cluster settings are filled in here. Its errors are those of the request's
+// cluster settings that only kubeadm's configuration checks (subnets, endpoint), named without secrets.
+func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base kubeadm.InitParams) (*plan, error) {
+	req, kubeCA, joinCA := c.req, c.kubeCA, c.joinCA
 	advertise := inst.Addresses[0]
 	params := base
 	params.NodeName, params.AdvertiseAddress = inst.Name, advertise

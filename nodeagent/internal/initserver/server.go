@@ -235,7 +235,11 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 	log.Info("init secret accepted")
 	base := s.cfg.KubeadmInit
 	base.CertificatesDir = s.cfg.Paths.PKIDir()
-	p, err := validateRequest(req, s.cfg.Self.Instance, s.disk, base, s.cfg.Clock())
+	checked, err := validateRequest(req, s.cfg.Self.Instance, s.cfg.Clock())
+	var p *plan
+	if err == nil {
+		p, err = planInit(checked, s.cfg.Self.Instance, s.disk, base)
+	}
 	if err != nil {
 		log.Warn("init request refused", "reason", err)
 		return status.Errorf(codes.InvalidArgument, "init request refused: %v", err)
