@@ -87,11 +87,11 @@ func TestPrepareDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := b.config
-	if c.Name != "berth" || c.OutputDirectory != "output-local" || c.OSRelease != DefaultOSRelease || b.diskSize != 0 {
-		t.Errorf("defaults: name %q, output_directory %q, os_release %q, disk size %d", c.Name, c.OutputDirectory, c.OSRelease, b.diskSize)
+	if c.Name != "berth" || c.OutputDirectory != "output-local" || c.OSRelease != DefaultOSRelease || b.config.diskSize != 0 {
+		t.Errorf("defaults: name %q, output_directory %q, os_release %q, disk size %d", c.Name, c.OutputDirectory, c.OSRelease, b.config.diskSize)
 	}
-	if b.modes[0] != 0o755 || b.modes[1] != 0o600 {
-		t.Errorf("modes %v, want 0755 by default and 0600 as given", b.modes)
+	if b.config.modes[0] != 0o755 || b.config.modes[1] != 0o600 {
+		t.Errorf("modes %v, want 0755 by default and 0600 as given", b.config.modes)
 	}
 }
 

@@ -14,15 +14,14 @@ import (
 
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 
+	"github.com/berthlabs/berth/internal/repotest"
 	ukiimage "github.com/berthlabs/berth/internal/uki"
 )
 
 // shellTree is a root file system with a static busybox as /bin/sh, so that commands run in its chroot.
 func shellTree(t *testing.T) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Fatal("chroot needs root: run the tests as root (make test does)")
-	}
+	repotest.NeedsRoot(t, "chroot")
 	const busybox = "/bin/busybox"
 	f, err := elf.Open(busybox)
 	if err != nil {
@@ -187,8 +186,8 @@ func TestProvisionRoot(t *testing.T) {
 	if err := os.WriteFile(init, []byte("#!/bin/sh\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	b := &Builder{config: Config{RootDirectory: src, InitrdFiles: []InitrdFile{{Source: init, Destination: "/init"}}},
-		modes: []fs.FileMode{0o755}}
+	b := &Builder{config: Config{RootDirectory: src, InitrdFiles: []InitrdFile{{Source: init, Destination: "/init"}},
+		modes: []fs.FileMode{0o755}}}
 	hook := &provisionHook{t: t}
 	work := filepath.Join(t.TempDir(), "root")
 	start := time.Now()
