@@ -144,7 +144,7 @@ func TestPrepareDefaults(t *testing.T) {
 		t.Errorf("defaults: install_prefix %q, staging_directory %q, execute_command %q", c.InstallPrefix, c.StagingDirectory, c.ExecuteCommand)
 	}
 	var got []string
-	for _, it := range p.items {
+	for _, it := range p.config.items {
 		got = append(got, fmt.Sprintf("%s %s %s", it.staged, it.mode, it.dest))
 	}
 	want := []string{

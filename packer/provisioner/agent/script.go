@@ -20,11 +20,11 @@ cd "$staging"
 # What arrived is what was checked before the upload; nothing is installed otherwise.
 sha256sum -c <<'EOF' || { echo "berth-agent: a staged file differs from the one checked before its upload; nothing was installed" >&2; exit 1; }
 `)
-	for i, it := range p.items {
+	for i, it := range p.config.items {
 		fmt.Fprintf(&b, "%s  %s\n", sums[i], it.staged)
 	}
 	b.WriteString("EOF\n\n# install would put a file into a directory of the same name: refuse before installing anything.\nfor target in")
-	for _, it := range p.items {
+	for _, it := range p.config.items {
 		fmt.Fprintf(&b, " %s", quote(path.Join(prefix, it.dest)))
 	}
 	b.WriteString(`; do
@@ -35,7 +35,7 @@ sha256sum -c <<'EOF' || { echo "berth-agent: a staged file differs from the one 
 done
 
 `)
-	for _, it := range p.items {
+	for _, it := range p.config.items {
 		target := path.Join(prefix, it.dest)
 		fmt.Fprintf(&b, "install -D -m %s %s %s\necho %s\n", it.mode, quote(it.staged), quote(target), quote("installed "+target+" (mode "+it.mode+")"))
 	}
