@@ -26,7 +26,7 @@ import (
 	"github.com/hashicorp/packer-plugin-sdk/template/config"
 	"github.com/hashicorp/packer-plugin-sdk/template/interpolate"
 
-	"github.com/berthlabs/berth/internal/manifest"
+	imagemanifest "github.com/berthlabs/berth/internal/manifest"
 )
 
 // DefaultOutput is where the manifest goes unless output says otherwise.
@@ -83,7 +83,7 @@ func (p *PostProcessor) Configure(raws ...any) error {
 	var errs []error
 	if p.config.ImageName == "" {
 		errs = append(errs, errors.New("image_name is required: the name join policies admit the image by, such as berth-2026-11-22"))
-	} else if err := manifest.ValidateName(p.config.ImageName); err != nil {
+	} else if err := imagemanifest.ValidateName(p.config.ImageName); err != nil {
 		errs = append(errs, fmt.Errorf("image_name: %w", err))
 	}
 	return errors.Join(errs...)
@@ -100,7 +100,7 @@ func (p *PostProcessor) PostProcess(ctx context.Context, ui packersdk.Ui, artifa
 	if err != nil {
 		return nil, false, false, fmt.Errorf("predicting the measurements of %s: %w", uki, err)
 	}
-	img := manifest.Image{
+	img := imagemanifest.Image{
 		Name:       p.config.ImageName,
 		Builder:    p.config.PackerBuilderType,
 		ArtifactID: cmp.Or(p.config.ArtifactID, artifact.Id()),
@@ -123,31 +123,6 @@ func (p *PostProcessor) PostProcess(ctx context.Context, ui packersdk.Ui, artifa
 	// The build's artifact stays what it is; this one is its entry in the manifest.
 	return &Artifact{path: p.config.Output, image: img}, true, false, nil
 }
-
-// BuilderID identifies the post-processor's artifacts.
-const BuilderID = "berthlabs.manifest"
-
-// Artifact is an image's entry in berth-image.json.
-type Artifact struct {
-	path  string
-	image manifest.Image
-}
-
-func (a *Artifact) BuilderId() string { return BuilderID }
-
-func (a *Artifact) Files() []string { return []string{a.path} }
-
-// Id is the image's name, as join policies admit it.
-func (a *Artifact) Id() string { return a.image.Name }
-
-func (a *Artifact) String() string {
-	return fmt.Sprintf("image %s in %s, with the predicted PCR %s", a.image.Name, a.path, strings.Join(slices.SortedFunc(maps.Keys(a.image.PCRs), byIndex), ", "))
-}
-
-func (a *Artifact) State(string) any { return nil }
-
-// Destroy leaves the manifest alone: it holds other images' entries too.
-func (a *Artifact) Destroy() error { return nil }
 
 // byIndex orders PCR indexes ("4", "11") as numbers.
 func byIndex(a, b string) int {
@@ -179,19 +154,19 @@ func (p *PostProcessor) findUKI(artifact packersdk.Artifact) (string, error) {
 }
 
 // update writes img into the manifest at path, replacing an image of the same name, atomically.
-func update(path string, img manifest.Image) error {
-	m := &manifest.Manifest{Version: manifest.Version}
+func update(path string, img imagemanifest.Image) error {
+	m := &imagemanifest.Manifest{Version: imagemanifest.Version}
 	data, err := os.ReadFile(path)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 	case err != nil:
 		return fmt.Errorf("reading the manifest: %w", err)
 	default:
-		if m, err = manifest.Parse(data); err != nil {
+		if m, err = imagemanifest.Parse(data); err != nil {
 			return fmt.Errorf("the manifest %s exists but is not valid, so it is left as it is: %w", path, err)
 		}
 	}
-	if i := slices.IndexFunc(m.Images, func(x manifest.Image) bool { return x.Name == img.Name }); i >= 0 {
+	if i := slices.IndexFunc(m.Images, func(x imagemanifest.Image) bool { return x.Name == img.Name }); i >= 0 {
 		m.Images[i] = img
 	} else {
 		m.Images = append(m.Images, img)

@@ -12,7 +12,7 @@ import (
 
 	"github.com/hashicorp/packer-plugin-sdk/acctest"
 
-	"github.com/berthlabs/berth/internal/manifest"
+	imagemanifest "github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/measure"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/test/packertest"
@@ -67,7 +67,7 @@ func TestAccManifest(t *testing.T) {
 	}
 	dir := t.TempDir()
 	out := filepath.Join(dir, "berth-image.json")
-	existing := &manifest.Manifest{Version: manifest.Version, Images: []manifest.Image{{Name: "berth-older", Builder: "qemu",
+	existing := &imagemanifest.Manifest{Version: imagemanifest.Version, Images: []imagemanifest.Image{{Name: "berth-older", Builder: "qemu",
 		ArtifactID: "older.qcow2", PCRs: map[string]string{"11": strings.Repeat("ab", 32)}}}}
 	data, err := existing.Marshal()
 	if err != nil {
@@ -91,7 +91,7 @@ func TestAccManifest(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			m, err := manifest.Parse(data)
+			m, err := imagemanifest.Parse(data)
 			if err != nil {
 				return err
 			}

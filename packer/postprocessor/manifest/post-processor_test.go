@@ -8,17 +8,17 @@ import (
 
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 
-	"github.com/berthlabs/berth/internal/manifest"
+	imagemanifest "github.com/berthlabs/berth/internal/manifest"
 )
 
-func image(name, pcr11 string) manifest.Image {
-	return manifest.Image{Name: name, Builder: "qemu", ArtifactID: name + ".qcow2", PCRs: map[string]string{"11": pcr11}}
+func image(name, pcr11 string) imagemanifest.Image {
+	return imagemanifest.Image{Name: name, Builder: "qemu", ArtifactID: name + ".qcow2", PCRs: map[string]string{"11": pcr11}}
 }
 
 func TestUpdate(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "berth-image.json")
 	a, b := strings.Repeat("aa", 32), strings.Repeat("bb", 32)
-	for _, img := range []manifest.Image{image("berth-1", a), image("berth-2", a), image("berth-1", b)} {
+	for _, img := range []imagemanifest.Image{image("berth-1", a), image("berth-2", a), image("berth-1", b)} {
 		if err := update(path, img); err != nil {
 			t.Fatal(err)
 		}
@@ -27,7 +27,7 @@ func TestUpdate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := manifest.Parse(data)
+	m, err := imagemanifest.Parse(data)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +127,7 @@ func TestDocsListEveryOption(t *testing.T) {
 }
 
 func TestArtifact(t *testing.T) {
-	a := &Artifact{path: "out/berth-image.json", image: manifest.Image{Name: "berth-node", PCRs: map[string]string{"12": "00", "4": "aa", "11": "bb", "9": "cc"}}}
+	a := &Artifact{path: "out/berth-image.json", image: imagemanifest.Image{Name: "berth-node", PCRs: map[string]string{"12": "00", "4": "aa", "11": "bb", "9": "cc"}}}
 	if a.Id() != "berth-node" || len(a.Files()) != 1 || a.Files()[0] != "out/berth-image.json" || a.BuilderId() != BuilderID {
 		t.Errorf("artifact id %q, files %v, builder %q", a.Id(), a.Files(), a.BuilderId())
 	}
