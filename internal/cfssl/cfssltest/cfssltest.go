@@ -7,7 +7,6 @@
 package cfssltest
 
 import (
-	"bytes"
 	"crypto/rand"
 	"crypto/x509"
 	"encoding/hex"
@@ -28,6 +27,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/test/clustertest"
 )
 
 // Server is a running cfssl serve on 127.0.0.1.
@@ -39,7 +39,7 @@ type Server struct {
 	CA         *x509.Certificate // the CA it signs with
 	DB         string            // the sqlite certificate database
 
-	log     *syncBuffer
+	log     *clustertest.SafeBuffer
 	bin     string
 	args    []string
 	mu      sync.Mutex
@@ -85,7 +85,7 @@ func StartWith(t testing.TB, o Options) *Server {
 		AuthKeyHex: keyHex,
 		CA:         writeCA(t, dir, o.CA),
 		DB:         filepath.Join(dir, "certs.db"),
-		log:        &syncBuffer{},
+		log:        &clustertest.SafeBuffer{},
 		bin:        bin,
 	}
 
@@ -318,22 +318,4 @@ func randomKeyHex(t testing.TB) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(b)
-}
-
-// syncBuffer collects cfssl's log, written by the process's copiers and read by failing tests.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
