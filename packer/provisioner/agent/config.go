@@ -4,7 +4,6 @@ package agent
 
 import (
 	"cmp"
-	_ "embed"
 	"errors"
 	"fmt"
 	"os"
