@@ -38,8 +38,17 @@ const (
 	MaxKeySize = 4096
 	// MaxLabelSize is the longest label LUKS2 stores (a 48-byte field that ends with NUL).
 	MaxLabelSize = 47
+	// MaxTokenSize bounds one token's JSON so that two fit in the metadata area Format makes (metadataSize),
+	// beside the keyslots: a token is replaced by adding the new one before removing the old.
+	MaxTokenSize = 48 << 10
+	// metadataSize is the size of each of the two LUKS2 metadata copies (binary header and JSON) that Format
+	// makes: cryptsetup's default of 16 KiB keeps only about 12 KiB of JSON, too little for a key sealed to
+	// a few dozen images. It comes out of the 16 MiB cryptsetup reserves before the data anyway.
+	metadataSize = "128k"
 	// maxSlot is the highest keyslot number LUKS2 has.
 	maxSlot = 31
+	// maxToken is the highest token id LUKS2 has.
+	maxToken = 31
 	// mapperDir is where device-mapper puts the devices that cryptsetup open creates.
 	mapperDir = "/dev/mapper/"
 	// noLabel is what luksDump prints for a volume without a label.
@@ -114,7 +123,7 @@ func (v *Volume) Format(ctx context.Context, key []byte, label string) error {
 		return fmt.Errorf("formatting %s: %w", v.path, err)
 	}
 	args := []string{"luksFormat", "--type", "luks2", "--batch-mode",
-		"--cipher", "aes-xts-plain64", "--key-size", "512", "--key-file=-"}
+		"--cipher", "aes-xts-plain64", "--key-size", "512", "--luks2-metadata-size", metadataSize, "--key-file=-"}
 	args = append(args, kdfArgs...)
 	if label != "" {
 		args = append(args, "--label", label)
@@ -197,26 +206,123 @@ func (v *Volume) KeySlot(ctx context.Context, key []byte) (int, error) {
 
 // Slots returns the volume's active keyslots in ascending order.
 func (v *Volume) Slots(ctx context.Context) ([]int, error) {
-	out, err := v.run(ctx, nil, nil, "luksDump", "--dump-json-metadata", v.path)
+	meta, err := v.metadata(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("listing the keyslots of %s: %w", v.path, err)
 	}
-	var meta struct {
-		Keyslots map[string]json.RawMessage `json:"keyslots"`
+	slots, err := numbered(meta.Keyslots, maxSlot)
+	if err != nil {
+		return nil, fmt.Errorf("listing the keyslots of %s: LUKS2 metadata names keyslot %w", v.path, err)
 	}
-	if err := json.Unmarshal([]byte(out), &meta); err != nil {
-		return nil, fmt.Errorf("listing the keyslots of %s: parsing LUKS2 metadata: %w", v.path, err)
-	}
-	slots := make([]int, 0, len(meta.Keyslots))
-	for name := range meta.Keyslots {
-		n, err := strconv.Atoi(name)
-		if err != nil || n < 0 || n > maxSlot {
-			return nil, fmt.Errorf("listing the keyslots of %s: LUKS2 metadata names keyslot %q", v.path, name)
-		}
-		slots = append(slots, n)
-	}
-	slices.Sort(slots)
 	return slots, nil
+}
+
+// Token is one LUKS2 token: a JSON object in the volume's header that cryptsetup keeps beside the keyslots
+// without interpreting it (for a type it does not know).
+type Token struct {
+	ID   int
+	Type string
+	// JSON is the token's whole object, as stored.
+	JSON []byte
+}
+
+// Tokens returns the volume's tokens of type typ, in ascending id order.
+func (v *Volume) Tokens(ctx context.Context, typ string) ([]Token, error) {
+	meta, err := v.metadata(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("listing the tokens of %s: %w", v.path, err)
+	}
+	ids, err := numbered(meta.Tokens, maxToken)
+	if err != nil {
+		return nil, fmt.Errorf("listing the tokens of %s: LUKS2 metadata names token %w", v.path, err)
+	}
+	var tokens []Token
+	for _, id := range ids {
+		raw := meta.Tokens[strconv.Itoa(id)]
+		var head struct {
+			Type string `json:"type"`
+		}
+		if err := json.Unmarshal(raw, &head); err != nil {
+			return nil, fmt.Errorf("listing the tokens of %s: token %d: %w", v.path, id, err)
+		}
+		if head.Type == typ {
+			tokens = append(tokens, Token{ID: id, Type: head.Type, JSON: raw})
+		}
+	}
+	return tokens, nil
+}
+
+// AddToken stores token, a JSON object with a "type" and a "keyslots" array, under the lowest free token
+// id, which it returns. No key is needed: a token is metadata. cryptsetup writes the LUKS2 header's two
+// copies one after the other, each with its sequence number, so a crash leaves the token wholly stored
+// or not at all.
+func (v *Volume) AddToken(ctx context.Context, token []byte) (int, error) {
+	if len(token) > MaxTokenSize {
+		return 0, fmt.Errorf("adding a token to %s: the token is %d bytes, at most %d fit the LUKS2 header", v.path, len(token), MaxTokenSize)
+	}
+	meta, err := v.metadata(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("adding a token to %s: %w", v.path, err)
+	}
+	id := -1
+	for i := 0; i <= maxToken; i++ {
+		if _, used := meta.Tokens[strconv.Itoa(i)]; !used {
+			id = i
+			break
+		}
+	}
+	if id < 0 {
+		return 0, fmt.Errorf("adding a token to %s: all %d token ids are used", v.path, maxToken+1)
+	}
+	if _, err := v.run(ctx, token, nil, "token", "import", "--json-file", "-", "--token-id", strconv.Itoa(id), v.path); err != nil {
+		return 0, fmt.Errorf("adding a token to %s: %w", v.path, err)
+	}
+	v.logger.Info("luks token added", "device", v.path, "token", id)
+	return id, nil
+}
+
+// RemoveToken removes the token with the given id.
+func (v *Volume) RemoveToken(ctx context.Context, id int) error {
+	if id < 0 || id > maxToken {
+		return fmt.Errorf("removing token %d of %s: LUKS2 tokens are numbered 0 to %d", id, v.path, maxToken)
+	}
+	if _, err := v.run(ctx, nil, nil, "token", "remove", "--token-id", strconv.Itoa(id), v.path); err != nil {
+		return fmt.Errorf("removing token %d of %s: %w", id, v.path, err)
+	}
+	v.logger.Info("luks token removed", "device", v.path, "token", id)
+	return nil
+}
+
+// header is the part of the LUKS2 JSON metadata this package reads.
+type header struct {
+	Keyslots map[string]json.RawMessage `json:"keyslots"`
+	Tokens   map[string]json.RawMessage `json:"tokens"`
+}
+
+func (v *Volume) metadata(ctx context.Context) (*header, error) {
+	out, err := v.run(ctx, nil, nil, "luksDump", "--dump-json-metadata", v.path)
+	if err != nil {
+		return nil, err
+	}
+	var meta header
+	if err := json.Unmarshal([]byte(out), &meta); err != nil {
+		return nil, fmt.Errorf("parsing LUKS2 metadata: %w", err)
+	}
+	return &meta, nil
+}
+
+// numbered returns the keys of m, which LUKS2 numbers 0 to highest, in ascending order.
+func numbered(m map[string]json.RawMessage, highest int) ([]int, error) {
+	ids := make([]int, 0, len(m))
+	for name := range m {
+		n, err := strconv.Atoi(name)
+		if err != nil || n < 0 || n > highest {
+			return nil, fmt.Errorf("%q", name)
+		}
+		ids = append(ids, n)
+	}
+	slices.Sort(ids)
+	return ids, nil
 }
 
 // AddKey puts newKey into a free keyslot, authorized by existing, a key that already opens the volume.

@@ -383,3 +383,58 @@ func TestMappingNames(t *testing.T) {
 		}
 	}
 }
+
+func TestTokens(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	key := newKey(t)
+	v := formatted(t, key, "")
+	if got, err := v.Tokens(ctx, "berth-test"); err != nil || len(got) != 0 {
+		t.Fatalf("Tokens of a new volume = %v, %v; want none", got, err)
+	}
+	first, err := v.AddToken(ctx, []byte(`{"type":"berth-test","keyslots":[],"n":1}`))
+	if err != nil {
+		t.Fatalf("AddToken: %v", err)
+	}
+	if _, err := v.AddToken(ctx, []byte(`{"type":"other","keyslots":[]}`)); err != nil {
+		t.Fatalf("AddToken: %v", err)
+	}
+	second, err := v.AddToken(ctx, []byte(`{"type":"berth-test","keyslots":[],"n":2}`))
+	if err != nil {
+		t.Fatalf("AddToken: %v", err)
+	}
+	if first != 0 || second != 2 {
+		t.Errorf("token ids %d and %d, want the lowest free ids 0 and 2", first, second)
+	}
+	got, err := v.Tokens(ctx, "berth-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got[0].ID != first || got[1].ID != second {
+		t.Fatalf("Tokens = %+v, want ids %d and %d", got, first, second)
+	}
+	var body struct{ N int }
+	if err := json.Unmarshal(got[1].JSON, &body); err != nil || body.N != 2 {
+		t.Errorf("token %d reads back as %s (%v)", second, got[1].JSON, err)
+	}
+	if err := v.RemoveToken(ctx, first); err != nil {
+		t.Fatalf("RemoveToken: %v", err)
+	}
+	if got, err := v.Tokens(ctx, "berth-test"); err != nil || len(got) != 1 || got[0].ID != second {
+		t.Fatalf("Tokens after removing %d = %+v, %v", first, got, err)
+	}
+	// Tokens are metadata: the key and its slot are untouched.
+	wantSlot(t, v, key, 0)
+
+	if _, err := v.AddToken(ctx, []byte(`{"type":"berth-test"`)); err == nil {
+		t.Error("AddToken of broken JSON succeeded")
+	}
+	if _, err := v.AddToken(ctx, bytes.Repeat([]byte("x"), MaxTokenSize+1)); err == nil || !strings.Contains(err.Error(), "at most") {
+		t.Errorf("AddToken of an oversized token = %v, want the size named", err)
+	}
+	for _, id := range []int{-1, 32} {
+		if err := v.RemoveToken(ctx, id); err == nil {
+			t.Errorf("RemoveToken(%d) succeeded", id)
+		}
+	}
+}

@@ -8,12 +8,22 @@
 // data and only that key may open it. Keys are replaced by adding the new key, checking that it opens the
 // volume, and only then removing the others: at no moment does the volume lack a working key, and each run
 // converges on exactly one keyslot.
+//
+// Two rules keep this safe, and each is enforced here rather than left to callers:
+//   - Nothing is stored on a volume before it is labelled LabelKeyed: Mount refuses any other label. A
+//     LabelFresh volume is formatted again on the next boot even if the derived key already opens it, which
+//     destroys nothing only because of this rule.
+//   - The derived key is the only key: every SetKey wipes all other keyslots. Everything else that unlocks
+//     the disk (the key sealed in the node's TPM, an operator's recovery) recovers that same derived key,
+//     and lives in LUKS2 tokens (StoreSealedKey), which no keyslot change touches.
 package statedisk
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,6 +31,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/berthlabs/berth/internal/luks"
@@ -41,6 +52,9 @@ const (
 	StepKeyVerified   = "key-verified"
 	StepLabelled      = "labelled"
 	StepOldKeyRemoved = "old-key-removed"
+	// StepSealedStored and StepSealedPruned are the two steps of StoreSealedKey.
+	StepSealedStored = "sealed-stored"
+	StepSealedPruned = "sealed-pruned"
 )
 
 // initialKeySize is the size of the random key a fresh volume is formatted with.
@@ -248,6 +262,14 @@ func (d *Disk) Mount(ctx context.Context, key []byte, name, dir string) (err err
 	if !filepath.IsAbs(dir) {
 		return fmt.Errorf("mounting the state disk: mount point %q is not an absolute path", dir)
 	}
+	// The next boot formats a volume that is not yet keyed: nothing may be written to it before.
+	label, err := d.vol.Label(ctx)
+	if err != nil {
+		return fmt.Errorf("mounting the state disk: %w", err)
+	}
+	if label != LabelKeyed {
+		return fmt.Errorf("mounting the state disk: the volume is labelled %q, not %q: it is mounted only once its key is set, since an unkeyed volume is formatted again at the next boot", label, LabelKeyed)
+	}
 	dev, err := d.vol.Open(ctx, key, name)
 	if err != nil {
 		return fmt.Errorf("mounting the state disk: %w", err)
@@ -292,6 +314,104 @@ func (d *Disk) ensureFilesystem(ctx context.Context, dev string) error {
 	default:
 		return fmt.Errorf("%s holds a %s signature, want %s or nothing", dev, sig, fsType)
 	}
+}
+
+// SealedTokenType is the LUKS2 token type of the disk key sealed in the node's TPM.
+const SealedTokenType = "berth-sealed-key"
+
+// SealedKey is one stored sealed key, as StoreSealedKey stored it.
+type SealedKey struct {
+	// Token is the LUKS2 token id that holds it.
+	Token int
+	// Seq orders stored keys: the highest is the newest.
+	Seq uint64
+	// Data is what StoreSealedKey was given.
+	Data json.RawMessage
+}
+
+// sealedToken is the token's JSON: the fields LUKS2 requires, and ours.
+type sealedToken struct {
+	Type string `json:"type"`
+	// Keyslots is empty: the token is not tied to a keyslot, so wiping keyslots never removes it.
+	Keyslots []string        `json:"keyslots"`
+	Seq      uint64          `json:"berth_seq"`
+	Sealed   json.RawMessage `json:"berth_sealed"`
+}
+
+// SealedKeys returns the stored sealed keys, newest first. A token of the type that does not parse is
+// skipped with a warning: it cannot unlock anything, and the next StoreSealedKey removes it.
+func (d *Disk) SealedKeys(ctx context.Context) ([]SealedKey, error) {
+	tokens, err := d.vol.Tokens(ctx, SealedTokenType)
+	if err != nil {
+		return nil, fmt.Errorf("reading the sealed keys: %w", err)
+	}
+	keys := make([]SealedKey, 0, len(tokens))
+	for _, t := range tokens {
+		var st sealedToken
+		if err := json.Unmarshal(t.JSON, &st); err != nil || len(st.Sealed) == 0 {
+			d.logger.Warn("ignoring an unreadable sealed-key token", "device", d.vol.Path(), "token", t.ID, "error", err)
+			continue
+		}
+		keys = append(keys, SealedKey{Token: t.ID, Seq: st.Seq, Data: st.Sealed})
+	}
+	slices.SortFunc(keys, func(a, b SealedKey) int { return cmp.Compare(b.Seq, a.Seq) })
+	return keys, nil
+}
+
+// StoreSealedKey stores data as the newest sealed key and then removes all older ones. A crash between the
+// two leaves both, and SealedKeys lists the new one first; at no moment is there none, so a node that dies
+// while it reseals still unlocks from its TPM at the next boot.
+func (d *Disk) StoreSealedKey(ctx context.Context, data json.RawMessage) error {
+	old, err := d.vol.Tokens(ctx, SealedTokenType)
+	if err != nil {
+		return fmt.Errorf("storing the sealed key: %w", err)
+	}
+	var seq uint64
+	for _, t := range old {
+		var st sealedToken
+		if json.Unmarshal(t.JSON, &st) == nil {
+			seq = max(seq, st.Seq)
+		}
+	}
+	token, err := json.Marshal(sealedToken{Type: SealedTokenType, Keyslots: []string{}, Seq: seq + 1, Sealed: data})
+	if err != nil {
+		return fmt.Errorf("storing the sealed key: %w", err)
+	}
+	id, err := d.vol.AddToken(ctx, token)
+	if err != nil {
+		return fmt.Errorf("storing the sealed key: %w", err)
+	}
+	if err := d.step(StepSealedStored); err != nil {
+		return err
+	}
+	for _, t := range old {
+		if err := d.vol.RemoveToken(ctx, t.ID); err != nil {
+			return fmt.Errorf("storing the sealed key: removing the older one: %w", err)
+		}
+	}
+	d.logger.Info("sealed key stored", "device", d.vol.Path(), "token", id, "seq", seq+1, "removed_tokens", len(old))
+	if len(old) > 0 {
+		return d.step(StepSealedPruned)
+	}
+	return nil
+}
+
+// RemoveSealedKeys removes every stored sealed key, so that only a rejoin ticket or a recovery unlocks the
+// disk from now on.
+func (d *Disk) RemoveSealedKeys(ctx context.Context) error {
+	tokens, err := d.vol.Tokens(ctx, SealedTokenType)
+	if err != nil {
+		return fmt.Errorf("removing the sealed keys: %w", err)
+	}
+	for _, t := range tokens {
+		if err := d.vol.RemoveToken(ctx, t.ID); err != nil {
+			return fmt.Errorf("removing the sealed keys: %w", err)
+		}
+	}
+	if len(tokens) > 0 {
+		d.logger.Info("sealed keys removed", "device", d.vol.Path(), "tokens", len(tokens))
+	}
+	return nil
 }
 
 // blkidNothingFound is blkid's exit code when it finds no signature on the device.

@@ -6,6 +6,7 @@ import (
 	"crypto/hkdf"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"io"
 	"os"
@@ -519,4 +520,122 @@ func TestMountRefusesRelativeDir(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "not an absolute path") {
 		t.Fatalf("Mount = %v, want a relative path error", err)
 	}
+}
+
+// Nothing may be stored on a volume before it is keyed: a boot that died after the derived key was added
+// and verified, but before the label, leaves a volume that the derived key opens and that the next boot
+// formats again. Mount refuses it before it opens anything.
+func TestMountRefusesUnkeyedVolume(t *testing.T) {
+	t.Parallel()
+	n := newNode(t)
+	err := n.boot(func(step string) error {
+		if step == StepKeyVerified {
+			return errDied
+		}
+		return nil
+	})
+	if !errors.Is(err, errDied) {
+		t.Fatalf("boot = %v, want the simulated crash", err)
+	}
+	ctx := t.Context()
+	id, err := n.vol.UUID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.vol.KeySlot(ctx, n.derive(id)); err != nil {
+		t.Fatalf("the derived key does not open the volume after the crash: %v", err)
+	}
+	err = n.disk(nil).Mount(ctx, n.derive(id), "berth-state", filepath.Join(t.TempDir(), "state"))
+	if err == nil || !strings.Contains(err.Error(), `labelled "berth-fresh", not "berth-keyed"`) {
+		t.Fatalf("Mount of an unkeyed volume = %v, want a refusal naming the labels", err)
+	}
+	p, err := n.disk(nil).Prepare(ctx)
+	if err != nil || !p.Fresh || p.UUID == id {
+		t.Fatalf("Prepare after the crash = %+v, %v; want the volume formatted again with a new UUID", p, err)
+	}
+}
+
+// Sealed keys live in tokens: setting the key, which wipes every keyslot but the derived key's, keeps them.
+func TestSealedKeysSurviveSetKey(t *testing.T) {
+	t.Parallel()
+	n := newNode(t)
+	ctx := t.Context()
+	if err := n.boot(nil); err != nil {
+		t.Fatal(err)
+	}
+	d := n.disk(nil)
+	if err := d.StoreSealedKey(ctx, []byte(`{"blob":1}`)); err != nil {
+		t.Fatalf("StoreSealedKey: %v", err)
+	}
+	id, err := n.vol.UUID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.vol.AddKey(ctx, n.derive(id), randomKey(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.boot(nil); err != nil {
+		t.Fatalf("reboot: %v", err)
+	}
+	n.checkConverged()
+	keys, err := d.SealedKeys(ctx)
+	if err != nil || len(keys) != 1 || compact(t, keys[0].Data) != `{"blob":1}` {
+		t.Fatalf("SealedKeys after SetKey = %+v, %v; want the stored one", keys, err)
+	}
+}
+
+// A reseal that dies after storing the new sealed key keeps both, newest first; the next one leaves one.
+func TestStoreSealedKeyInterrupted(t *testing.T) {
+	t.Parallel()
+	n := newNode(t)
+	ctx := t.Context()
+	if err := n.boot(nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.disk(nil).StoreSealedKey(ctx, []byte(`"first"`)); err != nil {
+		t.Fatal(err)
+	}
+	var steps []string
+	dying := n.disk(func(step string) error {
+		steps = append(steps, step)
+		return errDied
+	})
+	if err := dying.StoreSealedKey(ctx, []byte(`"second"`)); !errors.Is(err, errDied) {
+		t.Fatalf("StoreSealedKey = %v, want the simulated crash", err)
+	}
+	d := n.disk(nil)
+	keys, err := d.SealedKeys(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) != 2 || string(keys[0].Data) != `"second"` || string(keys[1].Data) != `"first"` {
+		t.Fatalf("SealedKeys after the crash = %+v, want second then first", keys)
+	}
+	if err := d.StoreSealedKey(ctx, []byte(`"third"`)); err != nil {
+		t.Fatal(err)
+	}
+	keys, err = d.SealedKeys(ctx)
+	if err != nil || len(keys) != 1 || string(keys[0].Data) != `"third"` || keys[0].Seq != 3 {
+		t.Fatalf("SealedKeys after the next store = %+v, %v; want third alone, seq 3", keys, err)
+	}
+	if !slices.Equal(steps, []string{StepSealedStored}) {
+		t.Errorf("steps %v, want the crash right after %s", steps, StepSealedStored)
+	}
+	if err := d.RemoveSealedKeys(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keys, err := d.SealedKeys(ctx); err != nil || len(keys) != 0 {
+		t.Fatalf("SealedKeys after RemoveSealedKeys = %+v, %v; want none", keys, err)
+	}
+	n.checkConverged()
+}
+
+// compact is data as one line: cryptsetup stores token JSON in its own layout.
+func compact(t *testing.T, data []byte) string {
+	t.Helper()
+	var b bytes.Buffer
+	if err := json.Compact(&b, data); err != nil {
+		t.Fatal(err)
+	}
+	return b.String()
 }
