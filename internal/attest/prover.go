@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	gattest "github.com/google/go-attestation/attest"
+	"github.com/google/go-tpm/tpm2/transport"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 )
@@ -16,14 +17,14 @@ import (
 // TPM executes one command at a time.
 type Prover struct {
 	mu  sync.Mutex
-	tpm *gattest.TPM
+	tpm *TPM
 	ek  gattest.EK
 	ak  *gattest.AK
 }
 
 // NewProver takes ownership of tpm: Close closes it. The TPM must hold an RSA EK certificate in its NV
 // index, as TPMs from every manufacturer and the clouds' vTPMs do.
-func NewProver(tpm *gattest.TPM) (*Prover, error) {
+func NewProver(tpm *TPM) (*Prover, error) {
 	eks, err := tpm.EKs()
 	if err != nil {
 		return nil, fmt.Errorf("reading endorsement keys: %w", err)
@@ -62,7 +63,7 @@ func (p *Prover) Evidence(nonce []byte, pcrs []int) (*berthv1.Evidence, error) {
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	quote, err := p.ak.QuotePCRs(p.tpm, nonce, gattest.HashSHA256, pcrs)
+	quote, err := p.ak.QuotePCRs(p.tpm.TPM, nonce, gattest.HashSHA256, pcrs)
 	if err != nil {
 		return nil, fmt.Errorf("quoting PCRs %v: %w", pcrs, err)
 	}
@@ -96,11 +97,20 @@ func (p *Prover) Activate(c *berthv1.ActivationChallenge) ([]byte, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	secret, err := p.ak.ActivateCredentialWithEK(p.tpm, gattest.EncryptedCredential{Credential: c.Credential, Secret: c.Secret}, p.ek)
+	secret, err := p.ak.ActivateCredentialWithEK(p.tpm.TPM, gattest.EncryptedCredential{Credential: c.Credential, Secret: c.Secret}, p.ek)
 	if err != nil {
 		return nil, fmt.Errorf("activating credential: %w", err)
 	}
 	return secret, nil
+}
+
+// UseTPM runs f with the TPM's raw command channel, while no evidence or activation uses it, for the
+// commands go-attestation does not offer. f must flush every handle it loads: a TPM without a resource
+// manager (swtpm on a socket) has room for very few objects, and the attestation key holds one.
+func (p *Prover) UseTPM(f func(transport.TPM) error) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return f(p.tpm.raw)
 }
 
 // EKFingerprint names this TPM the way a Verifier's Result does.
@@ -110,5 +120,5 @@ func (p *Prover) EKFingerprint() string { return ekFingerprint(p.ek.Certificate)
 func (p *Prover) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return errors.Join(p.ak.Close(p.tpm), p.tpm.Close())
+	return errors.Join(p.ak.Close(p.tpm.TPM), p.tpm.Close())
 }

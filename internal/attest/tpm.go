@@ -21,6 +21,7 @@ import (
 	"syscall"
 
 	gattest "github.com/google/go-attestation/attest"
+	"github.com/google/go-tpm/tpm2/transport"
 )
 
 // DefaultDevice is the kernel's TPM resource manager, which lets several processes share the TPM.
@@ -29,9 +30,17 @@ const DefaultDevice = "/dev/tpmrm0"
 // eventLogPath is where the kernel exposes the firmware's measurement log.
 const eventLogPath = "/sys/kernel/security/tpm0/binary_bios_measurements"
 
+// TPM is an open TPM: go-attestation's view of it for keys and quotes, and the raw command channel under it
+// for the commands go-attestation does not offer (sealing). Both share one connection, since swtpm serves
+// one connection at a time; Prover serializes their use.
+type TPM struct {
+	*gattest.TPM
+	raw transport.TPM
+}
+
 // OpenTPM opens the TPM named by device: a character device such as /dev/tpmrm0, "unix:/path" for swtpm's
 // unixio server, or "tcp:host:port" for swtpm's TCP server.
-func OpenTPM(device string) (*gattest.TPM, error) {
+func OpenTPM(device string) (*TPM, error) {
 	if device == "" {
 		device = DefaultDevice
 	}
@@ -53,7 +62,7 @@ func OpenTPM(device string) (*gattest.TPM, error) {
 		rwc.Close()
 		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
 	}
-	return tpm, nil
+	return &TPM{TPM: tpm, raw: transport.FromReadWriter(rwc)}, nil
 }
 
 // openDevice opens a TPM character device in blocking mode. os.OpenFile would make it non-blocking for

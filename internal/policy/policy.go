@@ -231,6 +231,22 @@ func (p *Policy) PCRIndexes() []int {
 	return idx
 }
 
+// ForRole is the part of the policy that admits role at now: its images that allow role and have not
+// expired. It is what a node of that role may seal its disk key to.
+func (p *Policy) ForRole(role metadata.Role, now time.Time) *Policy {
+	out := &Policy{}
+	if p == nil {
+		return out
+	}
+	for _, img := range p.Images {
+		c := evaluate(&img, role, nil, now)
+		if c.roleAllowed && !c.expired {
+			out.Images = append(out.Images, img)
+		}
+	}
+	return out
+}
+
 // Check returns the name of an image that is allowed for role, whose every
 // PCR equals the quoted value and that has not expired at now. Otherwise it
 // returns a *MismatchError about the closest image: one allowed for the role

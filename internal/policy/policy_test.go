@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -394,4 +395,46 @@ func dump(p *Policy) string {
 		b.WriteString("} ")
 	}
 	return b.String()
+}
+
+func TestForRole(t *testing.T) {
+	now := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
+	past, future := now.Add(-time.Hour), now.Add(time.Hour)
+	digest := func(b byte) map[int][]byte { return map[int][]byte{11: bytes.Repeat([]byte{b}, 32)} }
+	p := &Policy{Images: []Image{
+		{Name: "both", Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}, PCRs: digest(1)},
+		{Name: "workers", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: digest(2)},
+		{Name: "expired", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: digest(3), Expires: &past},
+		{Name: "expiring", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: digest(4), Expires: &future},
+	}}
+	names := func(p *Policy) []string {
+		var out []string
+		for _, img := range p.Images {
+			out = append(out, img.Name)
+		}
+		return out
+	}
+	if got := names(p.ForRole(metadata.RoleWorker, now)); !slices.Equal(got, []string{"both", "workers", "expiring"}) {
+		t.Errorf("ForRole(worker) = %v", got)
+	}
+	if got := names(p.ForRole(metadata.RoleControlPlane, now)); !slices.Equal(got, []string{"both"}) {
+		t.Errorf("ForRole(control-plane) = %v", got)
+	}
+	cut := p.ForRole(metadata.RoleControlPlane, now)
+	data, err := cut.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	back, err := Parse(data)
+	if err != nil || !slices.Equal(names(back), []string{"both"}) {
+		t.Errorf("the cut policy does not round-trip: %v, %v", names(back), err)
+	}
+	var none *Policy
+	data, err = none.ForRole(metadata.RoleWorker, now).Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back, err := Parse(data); err != nil || len(back.Images) != 0 {
+		t.Errorf("the cut of no policy = %q (%v), want an empty list that parses", data, err)
+	}
 }

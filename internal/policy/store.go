@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -26,6 +27,8 @@ const ConfigMapKey = "policy.yaml"
 // (a file, a ConfigMap) replaces it.
 type Store struct {
 	current atomic.Pointer[Policy]
+	mu      sync.Mutex
+	changed chan struct{}
 }
 
 // NewStore returns a store holding initial; nil means the empty policy.
@@ -46,6 +49,24 @@ func (s *Store) Set(p *Policy) {
 		p = &Policy{}
 	}
 	s.current.Store(p)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.changed != nil {
+		close(s.changed)
+		s.changed = nil
+	}
+}
+
+// Changed returns a channel that is closed by the next Set, for those who act on a new policy (a node that
+// seals its disk key to it). Take it before the source that sets the store starts, so that its first policy
+// is not missed.
+func (s *Store) Changed() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.changed == nil {
+		s.changed = make(chan struct{})
+	}
+	return s.changed
 }
 
 // WatchFile reads the policy at path now and then every interval, and sets

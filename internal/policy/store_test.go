@@ -280,3 +280,32 @@ func TestWatchConfigMapBadArguments(t *testing.T) {
 		t.Error("WatchConfigMap accepted a nil client")
 	}
 }
+
+func TestStoreChanged(t *testing.T) {
+	s := NewStore(nil)
+	first := s.Changed()
+	if again := s.Changed(); again != first {
+		t.Fatal("two calls of Changed before a Set returned different channels")
+	}
+	select {
+	case <-first:
+		t.Fatal("Changed is closed before any Set")
+	default:
+	}
+	want := &Policy{Images: []Image{{Name: "a"}}}
+	s.Set(want)
+	select {
+	case <-first:
+	default:
+		t.Fatal("Set did not close the channel Changed returned")
+	}
+	if s.Load() != want {
+		t.Error("the policy was not set when Changed fired")
+	}
+	next := s.Changed()
+	select {
+	case <-next:
+		t.Fatal("the channel after a Set is already closed")
+	default:
+	}
+}

@@ -421,8 +421,11 @@ type JoinTicket struct {
 	JoinMethod JoinMethod `protobuf:"varint,14,opt,name=join_method,json=joinMethod,proto3,enum=berth.v1.JoinMethod" json:"join_method,omitempty"`
 	// The cluster's kubelet settings, for JOIN_METHOD_KUBELET (kubeadm join reads them from the cluster).
 	KubeletSettings *KubeletSettings `protobuf:"bytes,15,opt,name=kubelet_settings,json=kubeletSettings,proto3" json:"kubelet_settings,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The join policy (a document as berth_join_policy writes it) cut to the images that admit this node's
+	// role now: the measurements under which the node may seal its disk key in its TPM.
+	UnlockPolicy  []byte `protobuf:"bytes,16,opt,name=unlock_policy,json=unlockPolicy,proto3" json:"unlock_policy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *JoinTicket) Reset() {
@@ -560,6 +563,13 @@ func (x *JoinTicket) GetKubeletSettings() *KubeletSettings {
 	return nil
 }
 
+func (x *JoinTicket) GetUnlockPolicy() []byte {
+	if x != nil {
+		return x.UnlockPolicy
+	}
+	return nil
+}
+
 // KubeletSettings are what every kubelet of the cluster shares; this node's own settings (cgroup driver,
 // container runtime) come from its image.
 type KubeletSettings struct {
@@ -691,8 +701,10 @@ type RejoinTicket struct {
 	ClusterId         string                 `protobuf:"bytes,1,opt,name=cluster_id,json=clusterId,proto3" json:"cluster_id,omitempty"`
 	DiskKey           []byte                 `protobuf:"bytes,2,opt,name=disk_key,json=diskKey,proto3" json:"disk_key,omitempty"`
 	MeasurementSecret []byte                 `protobuf:"bytes,3,opt,name=measurement_secret,json=measurementSecret,proto3" json:"measurement_secret,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// As in JoinTicket: what the node may seal its disk key to.
+	UnlockPolicy  []byte `protobuf:"bytes,4,opt,name=unlock_policy,json=unlockPolicy,proto3" json:"unlock_policy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RejoinTicket) Reset() {
@@ -742,6 +754,13 @@ func (x *RejoinTicket) GetDiskKey() []byte {
 func (x *RejoinTicket) GetMeasurementSecret() []byte {
 	if x != nil {
 		return x.MeasurementSecret
+	}
+	return nil
+}
+
+func (x *RejoinTicket) GetUnlockPolicy() []byte {
+	if x != nil {
+		return x.UnlockPolicy
 	}
 	return nil
 }
@@ -830,7 +849,7 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
-	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\x81\x06\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\xa6\x06\n" +
 	"\n" +
 	"JoinTicket\x12\x1b\n" +
 	"\tnode_name\x18\x01 \x01(\tR\bnodeName\x12\x1d\n" +
@@ -850,7 +869,8 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x0fcluster_secrets\x18\r \x01(\v2\x18.berth.v1.ClusterSecretsR\x0eclusterSecrets\x125\n" +
 	"\vjoin_method\x18\x0e \x01(\x0e2\x14.berth.v1.JoinMethodR\n" +
 	"joinMethod\x12D\n" +
-	"\x10kubelet_settings\x18\x0f \x01(\v2\x19.berth.v1.KubeletSettingsR\x0fkubeletSettings\"Y\n" +
+	"\x10kubelet_settings\x18\x0f \x01(\v2\x19.berth.v1.KubeletSettingsR\x0fkubeletSettings\x12#\n" +
+	"\runlock_policy\x18\x10 \x01(\fR\funlockPolicy\"Y\n" +
 	"\x0fKubeletSettings\x12\x1f\n" +
 	"\vcluster_dns\x18\x01 \x03(\tR\n" +
 	"clusterDns\x12%\n" +
@@ -859,12 +879,13 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\rmaster_secret\x18\x01 \x01(\fR\fmasterSecret\x12\x12\n" +
 	"\x04salt\x18\x02 \x01(\fR\x04salt\x12.\n" +
 	"\x13join_ca_certificate\x18\x03 \x01(\fR\x11joinCaCertificate\x12\x1e\n" +
-	"\vjoin_ca_key\x18\x04 \x01(\fR\tjoinCaKey\"w\n" +
+	"\vjoin_ca_key\x18\x04 \x01(\fR\tjoinCaKey\"\x9c\x01\n" +
 	"\fRejoinTicket\x12\x1d\n" +
 	"\n" +
 	"cluster_id\x18\x01 \x01(\tR\tclusterId\x12\x19\n" +
 	"\bdisk_key\x18\x02 \x01(\fR\adiskKey\x12-\n" +
-	"\x12measurement_secret\x18\x03 \x01(\fR\x11measurementSecret\"H\n" +
+	"\x12measurement_secret\x18\x03 \x01(\fR\x11measurementSecret\x12#\n" +
+	"\runlock_policy\x18\x04 \x01(\fR\funlockPolicy\"H\n" +
 	"\x04File\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\fR\acontent\x12\x12\n" +

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -25,7 +26,9 @@ import (
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/kubelet"
+	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
@@ -33,6 +36,9 @@ import (
 // Prover is the TPM (attest.Prover).
 type Prover interface {
 	joinclient.Prover
+	localunlock.TPM
+	// EKFingerprint names the TPM as the join service's disk registry does.
+	EKFingerprint() string
 	Close() error
 }
 
@@ -110,6 +116,10 @@ type Agent struct {
 	vol     *luks.Volume
 	// mounted is set once the state volume is mounted in this boot.
 	mounted bool
+	// key is the disk key once it is set in this boot; unlock seals it.
+	key []byte
+	// unlock seals the disk key in the TPM; nil on nodes that do not.
+	unlock *localunlock.Unlocker
 }
 
 // New wires an agent.
@@ -157,6 +167,7 @@ func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
 	if err := u.a.disk.SetKey(ctx, initial, key); err != nil {
 		return err
 	}
+	u.a.key = bytes.Clone(key)
 	if u.a.cfg.StateMount == "" || u.a.mounted {
 		return nil
 	}
@@ -198,14 +209,19 @@ func (a *Agent) Boot(ctx context.Context) error {
 		sup := &kubelet.Supervisor{Binary: a.cfg.Kubelet.Binary, Paths: a.cfg.Paths, ExtraArgs: a.cfg.Kubelet.ExtraArgs, Logger: log}
 		go func() { kubeletDone <- sup.Run(ctx) }()
 	}
+	var unlock *localunlock.Unlocker
+	if a.cfg.sealsLocally(self.Instance.Role) {
+		unlock = &localunlock.Unlocker{TPM: prover, Disk: a.disk, Role: self.Instance.Role, Logger: log.With("component", "local-unlock")}
+		a.unlock = unlock
+	} else if err := a.disk.RemoveSealedKeys(ctx); err != nil {
+		// A node whose local unlock was turned off must not keep unlocking from its TPM.
+		return err
+	}
+	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything.
+	var unlockPolicy []byte
 	if !prepared.Fresh {
-		log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", prepared.UUID)
-		ticket, err := jc.Rejoin(ctx, prepared.UUID)
-		if err != nil {
+		if unlockPolicy, err = a.unlockKeyed(ctx, log, jc, unlock, prepared.UUID); err != nil {
 			return err
-		}
-		if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
-			return fmt.Errorf("unlocking the state disk: %w", err)
 		}
 		state, err := nodestate.Read(a.cfg.Paths.State)
 		switch {
@@ -221,6 +237,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
 				return err
 			}
+			unlockPolicy = nil
 		case err != nil:
 			return fmt.Errorf("state disk unlocked but: %w", err)
 		default:
@@ -233,6 +250,12 @@ func (a *Agent) Boot(ctx context.Context) error {
 		startKubelet()
 		if err := a.firstBoot(ctx, log, self, prepared, prover, lock, jc); err != nil {
 			return err
+		}
+	}
+	if unlock != nil {
+		a.sealAfterBoot(ctx, log, unlock, self.Instance.Role, unlockPolicy)
+		if self.Instance.Role != metadata.RoleControlPlane {
+			go a.refreshSeal(ctx, log, jc, unlock, prepared.UUID)
 		}
 	}
 	switch {
@@ -289,7 +312,7 @@ func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.
 func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
 	srv, err := initserver.New(initserver.Config{
 		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
-		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a, log}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
+		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint()}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
 			Kubelet: kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
@@ -313,12 +336,15 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	return srv, func() { stopGracefully(gs, 30*time.Second) }, nil
 }
 
-// clusterRecorder publishes the cluster record right after kubeadm init. The API server answered kubeadm's
-// last phases a moment ago, so failures are retried only briefly: a node whose record cannot be written
-// fails its init rather than hand out a cluster Terraform could not recognize later.
+// clusterRecorder publishes the cluster record right after kubeadm init, and records this node's TPM as its
+// disk's owner, as the join service does for every node it keys, so that the node gets rejoin tickets from
+// the control-plane nodes that join after it. The API server answered kubeadm's last phases a moment ago,
+// so failures are retried only briefly: a node whose records cannot be written fails its init rather than
+// hand out a cluster Terraform could not recognize later, or be a node that can never rejoin.
 type clusterRecorder struct {
-	a   *Agent
-	log *slog.Logger
+	a        *Agent
+	log      *slog.Logger
+	disk, ek string
 }
 
 func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Info) error {
@@ -328,7 +354,11 @@ func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Inf
 	}
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
+	disks := &joinservice.KubeDisks{Client: kube}
 	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error {
+		if err := disks.Claim(ctx, r.disk, r.ek); err != nil {
+			return err
+		}
 		return clusterinfo.Publish(ctx, kube, info)
 	}, func(attempt int, err error, next time.Duration) {
 		r.log.Warn("publishing the cluster record failed; retrying", "attempt", attempt, "error", err, "retry_in", next)

@@ -22,8 +22,10 @@ import (
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
+	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/test/joinlab"
 	"github.com/berthlabs/berth/test/clustertest"
@@ -232,9 +234,40 @@ func TestBootInitThenJoin(t *testing.T) {
 		t.Errorf("worker-1 state after recovery: %+v, %v", st, err)
 	}
 
+	// The node that ran kubeadm init owns its disk in the registry, as every joined node does, so that other
+	// control-plane nodes can give it rejoin tickets.
+	cpDisk, err := luks.New(cp.cfg.StateDisk, nil).UUID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if owner, err := (&joinservice.KubeDisks{Client: kube}).Owner(ctx, cpDisk); err != nil || len(owner) != 64 {
+		t.Errorf("disk owner of the init node's disk %s: %q, %v; want its EK fingerprint", cpDisk, owner, err)
+	}
+
 	t0 := time.Now()
 	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatalf("control-plane agent: %v", err)
 	}
 	t.Logf("control-plane agent stopped in %v", time.Since(t0))
+
+	// The lone control-plane node boots again with no join service anywhere: it unlocks its disk from its
+	// TPM, sealed to the init request's policy, serves joins again, and the worker rejoins through it.
+	cpCtx, stopCP = context.WithCancel(ctx)
+	defer stopCP()
+	stopped = false
+	go func() { cpDone <- cp.agent.Boot(cpCtx) }()
+	if err := worker.agent.Boot(ctx); err != nil {
+		t.Fatal(cp.logs.Logf("worker boot after the control plane's reboot: %v\n--- worker log ---\n%s", err, worker.logs.String()))
+	}
+	for _, want := range []string{"disk key sealed to the join policy", "state disk unlocked from the TPM"} {
+		if !strings.Contains(cp.logs.String(), want) {
+			t.Errorf("the control-plane node's log lacks %q", want)
+		}
+	}
+	if got := cp.kubeadm.calls; len(got) != 1 {
+		t.Errorf("control-plane node ran kubeadm %v over two boots, want one init", got)
+	}
+	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("control-plane agent after reboot: %v", err)
+	}
 }

@@ -12,6 +12,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -69,6 +70,26 @@ type Config struct {
 	Kubelet KubeletConfig `json:"kubelet,omitempty"`
 	// RetryMax caps the join client's backoff.
 	RetryMax Duration `json:"retryMax,omitempty"`
+	// LocalUnlock seals the disk key in this node's TPM, under the join policy's images for its role, so that
+	// the node unlocks its disk at boot without a join service. Control-plane nodes seal unless it is false:
+	// without it a cluster whose control plane is all down at once never comes back. Workers seal only when
+	// it is true (edge nodes that must boot offline), since a worker that needs no join service to boot is
+	// one that a cluster operator can no longer keep out by removing its instance record.
+	LocalUnlock *bool `json:"localUnlock,omitempty"`
+	// LocalUnlockRefresh is how often a sealing worker asks the join service for the current policy, to
+	// seal again when it changed; DefaultLocalUnlockRefresh if zero. Control-plane nodes watch the policy.
+	LocalUnlockRefresh Duration `json:"localUnlockRefresh,omitempty"`
+}
+
+// DefaultLocalUnlockRefresh is how often a sealing worker asks for the current policy.
+const DefaultLocalUnlockRefresh = 10 * time.Minute
+
+// sealsLocally says whether a node of role seals its disk key in its TPM.
+func (c *Config) sealsLocally(role metadata.Role) bool {
+	if c.LocalUnlock != nil {
+		return *c.LocalUnlock
+	}
+	return role == metadata.RoleControlPlane
 }
 
 // CFSSLConfig names a CFSSL remote signer (`cfssl serve`) and the signing profile for kubelet client
@@ -156,6 +177,9 @@ func (c *Config) Defaults() {
 	}
 	if c.PolicyConfigMap == "" {
 		c.PolicyConfigMap = "berth-join-policy"
+	}
+	if c.LocalUnlockRefresh.Duration == 0 {
+		c.LocalUnlockRefresh.Duration = DefaultLocalUnlockRefresh
 	}
 }
 

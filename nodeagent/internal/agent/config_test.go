@@ -29,15 +29,16 @@ func TestLoadConfigDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{
-		MetadataURL:     "http://169.254.169.254/berth",
-		StateDisk:       "/dev/vdb",
-		TPM:             "/dev/tpmrm0",
-		MapperName:      "berth-state",
-		Paths:           nodestate.DefaultPaths,
-		InitListen:      ":7451",
-		Kubeadm:         "kubeadm",
-		EKCABundle:      "/etc/berth/ek-ca.pem",
-		PolicyConfigMap: "berth-join-policy",
+		MetadataURL:        "http://169.254.169.254/berth",
+		StateDisk:          "/dev/vdb",
+		TPM:                "/dev/tpmrm0",
+		MapperName:         "berth-state",
+		Paths:              nodestate.DefaultPaths,
+		InitListen:         ":7451",
+		Kubeadm:            "kubeadm",
+		EKCABundle:         "/etc/berth/ek-ca.pem",
+		PolicyConfigMap:    "berth-join-policy",
+		LocalUnlockRefresh: Duration{DefaultLocalUnlockRefresh},
 	}
 	got, _ := json.Marshal(c)
 	wantJSON, _ := json.Marshal(want)

@@ -84,7 +84,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		listen: net.JoinHostPort(a.cfg.JoinListenHost, strconv.Itoa(int(self.UserData.JoinPort))),
 		names:  []string{self.Instance.Name}, ips: ips,
 		kube: kube, policyFile: a.cfg.PolicyFile, policyConfigMap: a.cfg.PolicyConfigMap,
-		initialPolicy: a.publishInitialPolicy, log: log,
+		initialPolicy: a.publishInitialPolicy, followPolicy: a.followPolicy(log), log: log,
 	}, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         a.records,
@@ -114,7 +114,9 @@ type joinServer struct {
 	// which initialPolicy, if set, may create first.
 	policyFile, policyConfigMap string
 	initialPolicy               func(context.Context, kubernetes.Interface) error
-	log                         *slog.Logger
+	// followPolicy, if set, runs beside the service with its policy store and the store's first Changed.
+	followPolicy func(ctx context.Context, store *policy.Store, changed <-chan struct{})
+	log          *slog.Logger
 }
 
 // serveJoins runs a join service with cfg (its policy from s) until ctx ends.
@@ -122,6 +124,11 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	store := policy.NewStore(&policy.Policy{})
+	if s.followPolicy != nil {
+		// The empty policy the store starts with is no one's: only what a watcher loads is followed.
+		changed := store.Changed()
+		go s.followPolicy(ctx, store, changed)
+	}
 	watchErr := make(chan error, 1)
 	if s.policyFile != "" {
 		go func() { watchErr <- policy.WatchFile(ctx, s.policyFile, 5*time.Second, store, s.log) }()

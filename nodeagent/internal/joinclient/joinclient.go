@@ -15,6 +15,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"sync"
@@ -69,6 +70,10 @@ const (
 	FailpointAfterLock        = "join-after-lock"
 	FailpointAfterCredentials = "join-after-credentials"
 )
+
+// UnlockPolicyFile, under Paths.State, is the join ticket's unlock policy: what the node may seal its disk
+// key to, until the join service tells it more.
+const UnlockPolicyFile = "unlock-policy.yaml"
 
 // ErrLockTaken means the init server made this node a member first.
 var ErrLockTaken = errors.New("node lock taken by the init server")
@@ -207,6 +212,11 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		})
 		if err != nil {
 			return nil, fmt.Errorf("writing cluster secrets: %w", err)
+		}
+	}
+	if len(ticket.UnlockPolicy) > 0 {
+		if err := nodestate.WriteFile(filepath.Join(c.cfg.Paths.State, UnlockPolicyFile), ticket.UnlockPolicy, 0o600); err != nil {
+			return nil, fmt.Errorf("writing the unlock policy: %w", err)
 		}
 	}
 	failpoint.Crash(FailpointAfterCredentials)

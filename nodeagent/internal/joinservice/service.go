@@ -254,7 +254,11 @@ func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServe
 	if err != nil {
 		return s.fail(ex.log, "deriving keys", err)
 	}
-	ticket := &berthv1.RejoinTicket{ClusterId: s.clusterID, DiskKey: diskKey, MeasurementSecret: measurement}
+	unlock, err := s.unlockPolicy(ex.instance.Role)
+	if err != nil {
+		return s.fail(ex.log, "writing the unlock policy", err)
+	}
+	ticket := &berthv1.RejoinTicket{ClusterId: s.clusterID, DiskKey: diskKey, MeasurementSecret: measurement, UnlockPolicy: unlock}
 	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_RejoinTicket{RejoinTicket: ticket}}); err != nil {
 		return err
 	}
@@ -360,8 +364,13 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 				JoinCaCertificate: s.cfg.JoinCA.CertPEM(), JoinCaKey: key}
 		}
 	}
+	unlock, err := s.unlockPolicy(ex.instance.Role)
+	if err != nil {
+		return nil, fmt.Errorf("writing the unlock policy: %w", err)
+	}
 	ex.log = ex.log.With("kubelet_cert_serial", cert.SerialNumber.Text(16))
 	ticket := &berthv1.JoinTicket{
+		UnlockPolicy:            unlock,
 		NodeName:                ex.instance.Name,
 		ClusterId:               s.clusterID,
 		DiskKey:                 diskKey,
@@ -385,6 +394,11 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 	}
 	ticket.BootstrapToken, ticket.BootstrapTokenExpiresUnix, ticket.DiscoveryCaCertHashes = token, expires.Unix(), s.caPins
 	return ticket, nil
+}
+
+// unlockPolicy is the policy cut to what a node of role may seal its disk key to.
+func (s *Server) unlockPolicy(role metadata.Role) ([]byte, error) {
+	return s.cfg.Policy.Load().ForRole(role, s.cfg.Clock()).Marshal()
 }
 
 func (s *Server) nodeKeys(disk keys.Label) (diskKey, measurement []byte, err error) {

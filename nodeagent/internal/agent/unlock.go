@@ -1,0 +1,157 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
+)
+
+// unlockKeyed opens a disk that was keyed on an earlier boot: from the TPM when a key sealed there opens at
+// this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns.
+func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, disk string) ([]byte, error) {
+	if unlock != nil {
+		key, image, err := unlock.Unlock(ctx)
+		switch {
+		case err == nil:
+			if err := (unlockingDisk{a}).SetKey(ctx, nil, key); err != nil {
+				log.Warn("the key unsealed from the TPM does not open the state disk; asking for a rejoin ticket", "disk", disk, "error", err)
+				break
+			}
+			log.Info("state disk unlocked from the TPM", "disk", disk, "image", image)
+			return nil, nil
+		case errors.Is(err, localunlock.ErrNothingSealed):
+			log.Info("no key is sealed on the state disk; asking for a rejoin ticket", "disk", disk)
+		default:
+			log.Warn("local unlock refused; asking for a rejoin ticket", "disk", disk, "reason", err)
+		}
+	}
+	log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", disk)
+	ticket, err := jc.Rejoin(ctx, disk)
+	if err != nil {
+		return nil, err
+	}
+	if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
+		return nil, fmt.Errorf("unlocking the state disk: %w", err)
+	}
+	return ticket.UnlockPolicy, nil
+}
+
+// sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else what the join
+// ticket or the init request left in the state directory. A node that unlocked from its TPM learnt nothing
+// new; a control-plane node seals again when its join service loads the policy, a worker at its next
+// refresh. A failure to seal costs the node its local unlock, not its membership: it is logged.
+func (a *Agent) sealAfterBoot(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, role metadata.Role, ticketPolicy []byte) {
+	doc := ticketPolicy
+	if doc == nil {
+		for _, name := range []string{joinclient.UnlockPolicyFile, InitialPolicyFile} {
+			data, err := os.ReadFile(filepath.Join(a.cfg.Paths.State, name))
+			if err == nil {
+				doc = data
+				break
+			}
+			if !errors.Is(err, os.ErrNotExist) {
+				log.Warn("reading the unlock policy", "error", err)
+			}
+		}
+	}
+	if doc != nil {
+		a.sealTo(ctx, log, unlock, role, doc)
+	}
+}
+
+// sealTo seals the disk key to the policy document doc, cut to role.
+func (a *Agent) sealTo(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, role metadata.Role, doc []byte) {
+	p, err := policy.Parse(doc)
+	if err != nil {
+		log.Warn("the unlock policy does not parse; the disk key stays sealed as it was", "error", err)
+		return
+	}
+	a.seal(ctx, log, unlock, p.ForRole(role, time.Now()))
+}
+
+func (a *Agent) seal(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, p *policy.Policy) {
+	if a.key == nil {
+		log.Error("sealing the disk key: no key was set in this boot")
+		return
+	}
+	if err := unlock.Seal(ctx, a.key, p); err != nil {
+		log.Warn("sealing the disk key failed; the next boot unlocks with a rejoin ticket", "error", err)
+	}
+}
+
+// followPolicy is how a control-plane node's join service keeps the node's sealed key following its policy;
+// nil when the node does not seal.
+func (a *Agent) followPolicy(log *slog.Logger) func(context.Context, *policy.Store, <-chan struct{}) {
+	if a.unlock == nil {
+		return nil
+	}
+	return func(ctx context.Context, store *policy.Store, changed <-chan struct{}) {
+		a.resealOnPolicy(ctx, log.With("component", "local-unlock"), a.unlock, metadata.RoleControlPlane, store, changed)
+	}
+}
+
+// resealOnPolicy seals the disk key again whenever the join service's policy changes, and when an image
+// it was sealed to expires, until ctx ends.
+func (a *Agent) resealOnPolicy(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, role metadata.Role, store *policy.Store, changed <-chan struct{}) {
+	var expiry <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+			changed = store.Changed()
+		case <-expiry:
+		}
+		now := time.Now()
+		p := store.Load().ForRole(role, now)
+		a.seal(ctx, log, unlock, p)
+		expiry = nil
+		if next, ok := nextExpiry(p, now); ok {
+			expiry = time.After(next.Sub(now))
+		}
+	}
+}
+
+// nextExpiry is the earliest expiry among p's images after now.
+func nextExpiry(p *policy.Policy, now time.Time) (time.Time, bool) {
+	var next time.Time
+	for _, img := range p.Images {
+		if img.Expires != nil && img.Expires.After(now) && (next.IsZero() || img.Expires.Before(next)) {
+			next = *img.Expires
+		}
+	}
+	return next, !next.IsZero()
+}
+
+// refreshSeal asks the join service, through an attested rejoin exchange, for the worker's current unlock
+// policy every LocalUnlockRefresh, and seals the key to it, until ctx ends.
+func (a *Agent) refreshSeal(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, disk string) {
+	tick := time.NewTicker(a.cfg.LocalUnlockRefresh.Duration)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		ticket, err := jc.Rejoin(ctx, disk)
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Warn("asking for the current unlock policy", "error", err)
+			}
+			continue
+		}
+		if len(ticket.UnlockPolicy) > 0 {
+			a.sealTo(ctx, log, unlock, metadata.RoleWorker, ticket.UnlockPolicy)
+		}
+	}
+}
