@@ -118,6 +118,8 @@ type Lab struct {
 	JoinCA  *pki.CA
 	Timings map[string]time.Duration
 	start   time.Time
+	// secrets are the cluster's, in the process that ran Up.
+	secrets *labSecrets
 }
 
 // hostState is lab.json: what a later process needs to add nodes to the host.
@@ -307,7 +309,7 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	if err != nil {
 		return err
 	}
-	l.KubeCA, l.JoinCA = secrets.kubeCA, secrets.joinCA
+	l.KubeCA, l.JoinCA, l.secrets = secrets.kubeCA, secrets.joinCA, secrets
 	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
 		InitSecretHash: secrets.initHash}
 	for i, spec := range specs {
@@ -465,9 +467,54 @@ func tail(s string, lines int) string {
 	return strings.Join(all[max(0, len(all)-lines):], "\n")
 }
 
+// DiskKey is the key derived for the node's state disk, as the join service derives it; only the process
+// that ran Up knows the cluster's secrets.
+func (l *Lab) DiskKey(ctx context.Context, n *Node) ([]byte, error) {
+	if l.secrets == nil {
+		return nil, errors.New("the cluster's secrets are known only to the process that brought the lab up")
+	}
+	id, err := n.Disk().UUID(ctx)
+	if err != nil {
+		return nil, err
+	}
+	label, err := keys.DiskLabel(id)
+	if err != nil {
+		return nil, err
+	}
+	return keys.Derive(l.secrets.master, l.secrets.salt, label, 32)
+}
+
+// PowerCycle cuts every node's power at once (processes, mounts and network namespaces' contents gone;
+// disks and TPM state kept) and then switches them on in the given order, without waiting between them.
+func (l *Lab) PowerCycle(ctx context.Context, order []*Node) error {
+	for _, n := range l.Nodes {
+		n.PowerOff()
+	}
+	l.progress("power cut on every node; switching on in the order %s", nodeNames(order))
+	for _, n := range order {
+		if err := n.powerOn(ctx); err != nil {
+			return l.nodeFailure(n, "power on", err)
+		}
+	}
+	return nil
+}
+
+func nodeNames(nodes []*Node) string {
+	names := make([]string, len(nodes))
+	for i, n := range nodes {
+		names[i] = n.Name
+	}
+	return strings.Join(names, ", ")
+}
+
 // KubeletClientCert is the certificate the node's kubelet authenticates with.
 func (n *Node) KubeletClientCert() (*x509.Certificate, error) {
-	data, err := os.ReadFile(n.path("fs/var/lib/kubelet/pki/kubelet-client-current.pem"))
+	path := n.path("fs/var/lib/kubelet/pki/kubelet-client-current.pem")
+	// The kubelet makes it a link to the file of its newest certificate, by a path inside the node.
+	if target, err := os.Readlink(path); err == nil && filepath.IsAbs(target) {
+		path = n.path(filepath.Join("fs", target))
+	}
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/cloudinit"
+	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/swtpm"
 )
@@ -442,6 +443,26 @@ state = "/run/containerd"
 	}
 	data, err := yaml.Marshal(cfg)
 	if err != nil {
+		return err
+	}
+	return os.WriteFile(n.path("agent.yaml"), data, 0o600)
+}
+
+// Disk is the node's state disk.
+func (n *Node) Disk() *luks.Volume { return luks.New(n.path("state.img"), nil) }
+
+// SetAgentOption sets one field of the node's agent configuration, for its next boot.
+func (n *Node) SetAgentOption(key string, value any) error {
+	data, err := os.ReadFile(n.path("agent.yaml"))
+	if err != nil {
+		return err
+	}
+	cfg := map[string]any{}
+	if err := yaml.Unmarshal(data, &cfg); err != nil {
+		return err
+	}
+	cfg[key] = value
+	if data, err = yaml.Marshal(cfg); err != nil {
 		return err
 	}
 	return os.WriteFile(n.path("agent.yaml"), data, 0o600)

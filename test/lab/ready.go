@@ -117,6 +117,33 @@ func (l *Lab) WaitRestarted(ctx context.Context, n *Node, since time.Time) error
 
 // RunPod runs a pod of the lab's locally built workload image on node and waits until it runs.
 func (l *Lab) RunPod(ctx context.Context, name string, node *Node) error {
+	return l.runPod(ctx, name, node, "", "")
+}
+
+// podDataDir is where writer pods keep their files on their node: a directory of the node's own disk.
+const podDataDir = "/var/lib/kubelet/berthlab-data"
+
+// RunWriterPod runs a pod on node that writes content to a file of its own on the node's storage (a
+// hostPath under podDataDir) once, and returns where the file is seen from the host.
+func (l *Lab) RunWriterPod(ctx context.Context, name string, node *Node, content string) (string, error) {
+	container := fmt.Sprintf(`    env:
+    - {name: BERTH_LAB_WRITE, value: /data/%s}
+    - {name: BERTH_LAB_CONTENT, value: %q}
+    volumeMounts:
+    - {name: data, mountPath: /data}
+`, name, content)
+	volumes := fmt.Sprintf(`  volumes:
+  - name: data
+    hostPath: {path: %s, type: DirectoryOrCreate}
+`, podDataDir)
+	if err := l.runPod(ctx, name, node, container, volumes); err != nil {
+		return "", err
+	}
+	return node.path(filepath.Join("fs", podDataDir, name)), nil
+}
+
+// runPod runs a pod with the lab's workload image and the given extra YAML for its container and its spec.
+func (l *Lab) runPod(ctx context.Context, name string, node *Node, container, spec string) error {
 	manifest := fmt.Sprintf(`apiVersion: v1
 kind: Pod
 metadata:
@@ -128,9 +155,9 @@ spec:
   - name: sleeper
     image: %s
     imagePullPolicy: Never
-  tolerations:
+%s  tolerations:
   - operator: Exists
-`, name, node.Name, WorkloadImage)
+%s`, name, node.Name, WorkloadImage, container, spec)
 	if _, err := l.kubectlStdin(ctx, manifest, "apply", "-f", "-"); err != nil {
 		return err
 	}
