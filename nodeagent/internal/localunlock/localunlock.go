@@ -41,6 +41,7 @@ type TPM interface {
 type Disk interface {
 	SealedKeys(ctx context.Context) ([]statedisk.SealedKey, error)
 	StoreSealedKey(ctx context.Context, data json.RawMessage) error
+	PruneSealedKeys(ctx context.Context, newest uint64) error
 	RemoveSealedKeys(ctx context.Context) error
 }
 
@@ -93,10 +94,11 @@ func (u *Unlocker) log() *slog.Logger {
 	return u.Logger
 }
 
-// Unlock returns the disk key from the newest stored sealed key that this TPM unseals at this boot's
-// measurements, and the image that the measurements matched. It fails with ErrNothingSealed when no key is
-// stored; otherwise its error says why the newest one did not unseal (the PCR, expected and got; another or
-// cleared TPM; an expired image).
+// Unlock returns the disk key from the newest stored sealed key, if this TPM unseals it at this boot's
+// measurements, and the image that the measurements matched. Older sealed keys follow policies that were
+// replaced (a node that dies while it reseals keeps both): they are never used, and are removed once the
+// newest has unsealed. Unlock fails with ErrNothingSealed when no key is stored; otherwise its error says
+// why the newest did not unseal (the PCR, expected and got; another or a cleared TPM; an expired image).
 func (u *Unlocker) Unlock(ctx context.Context) (key []byte, image string, err error) {
 	stored, err := u.Disk.SealedKeys(ctx)
 	if err != nil {
@@ -105,22 +107,20 @@ func (u *Unlocker) Unlock(ctx context.Context) (key []byte, image string, err er
 	if len(stored) == 0 {
 		return nil, "", ErrNothingSealed
 	}
-	var errs []error
-	for _, s := range stored {
-		key, image, digest, err := u.unseal(s.Data)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("sealed key %d: %w", s.Seq, err))
-			continue
-		}
-		u.mu.Lock()
-		// Only the newest is known to follow the last policy the node saw; an older one is resealed.
-		if s.Seq == stored[0].Seq {
-			u.current = digest
-		}
-		u.mu.Unlock()
-		return key, image, nil
+	newest := stored[0]
+	key, image, digest, err := u.unseal(newest.Data)
+	if err != nil {
+		return nil, "", fmt.Errorf("sealed key %d: %w", newest.Seq, err)
 	}
-	return nil, "", errors.Join(errs...)
+	if len(stored) > 1 {
+		if err := u.Disk.PruneSealedKeys(ctx, newest.Seq); err != nil {
+			return nil, "", err
+		}
+	}
+	u.mu.Lock()
+	u.current = digest
+	u.mu.Unlock()
+	return key, image, nil
 }
 
 func (u *Unlocker) unseal(data []byte) (key []byte, image string, digest []byte, err error) {

@@ -22,6 +22,11 @@ import (
 
 // node is a real swtpm and a real LUKS2 state disk, keyed.
 func node(t *testing.T) (*Unlocker, *statedisk.Disk, []byte) {
+	u, disk, key, _ := nodeWithVolume(t)
+	return u, disk, key
+}
+
+func nodeWithVolume(t *testing.T) (*Unlocker, *statedisk.Disk, []byte, *luks.Volume) {
 	t.Helper()
 	tpm, err := attest.OpenTPM(swtpmtest.NewCA(t).NewTPM(t).Device())
 	if err != nil {
@@ -39,7 +44,8 @@ func node(t *testing.T) (*Unlocker, *statedisk.Disk, []byte) {
 	if err := os.Truncate(img, 32<<20); err != nil {
 		t.Fatal(err)
 	}
-	disk := statedisk.New(luks.New(img, nil), nil)
+	vol := luks.New(img, nil)
+	disk := statedisk.New(vol, nil)
 	ctx := t.Context()
 	p, err := disk.Prepare(ctx)
 	if err != nil {
@@ -50,7 +56,7 @@ func node(t *testing.T) (*Unlocker, *statedisk.Disk, []byte) {
 	if err := disk.SetKey(ctx, p.InitialKey, key); err != nil {
 		t.Fatal(err)
 	}
-	return &Unlocker{TPM: prover, Disk: disk, Role: metadata.RoleControlPlane}, disk, key
+	return &Unlocker{TPM: prover, Disk: disk, Role: metadata.RoleControlPlane}, disk, key, vol
 }
 
 // image is a policy image for role; zero is a fresh swtpm's PCRs 0 and 7.
@@ -137,5 +143,42 @@ func TestUnlockRefusesEditedPolicy(t *testing.T) {
 	}
 	if _, _, err := (&Unlocker{TPM: u.TPM, Disk: disk}).Unlock(context.Background()); err == nil || !strings.Contains(err.Error(), "not the one it was sealed with") {
 		t.Fatalf("Unlock with an edited policy = %v, want it refused", err)
+	}
+}
+
+// Only the newest sealed key counts: an older one (left by a node that died while it resealed) follows a
+// policy that was replaced, and may allow an image that is no longer allowed.
+func TestUnlockUsesOnlyTheNewest(t *testing.T) {
+	u, disk, key, vol := nodeWithVolume(t)
+	ctx := t.Context()
+	// A reseal that dies right after storing its key, before removing the older one.
+	dying := &Unlocker{TPM: u.TPM, Role: u.Role, Disk: statedisk.New(vol, nil, statedisk.WithStepHook(func(string) error {
+		return errors.New("power lost")
+	}))}
+	reseal := func(newest string, fill byte) {
+		t.Helper()
+		if err := u.Seal(ctx, key, &policy.Policy{Images: []policy.Image{image("older", 0, nil)}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := dying.Seal(ctx, key, &policy.Policy{Images: []policy.Image{image(newest, fill, nil)}}); err == nil {
+			t.Fatal("the dying reseal did not die")
+		}
+		if keys, err := disk.SealedKeys(ctx); err != nil || len(keys) != 2 {
+			t.Fatalf("sealed keys after the interrupted reseal: %d, %v; want 2", len(keys), err)
+		}
+		u.current = nil
+	}
+	reseal("dropped-this", 1)
+	if _, _, err := u.Unlock(ctx); err == nil || !strings.Contains(err.Error(), `"dropped-this"`) {
+		t.Fatalf("Unlock = %v; want the newest key refused, never the older one that allows this boot", err)
+	}
+
+	// The newest unseals: the older one is removed.
+	reseal("newest", 0)
+	if _, name, err := u.Unlock(ctx); err != nil || name != "newest" {
+		t.Fatalf("Unlock = %q, %v; want image newest", name, err)
+	}
+	if keys, err := disk.SealedKeys(ctx); err != nil || len(keys) != 1 {
+		t.Errorf("sealed keys after unlocking from the newest: %d (%v), want 1", len(keys), err)
 	}
 }

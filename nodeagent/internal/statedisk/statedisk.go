@@ -399,17 +399,31 @@ func (d *Disk) StoreSealedKey(ctx context.Context, data json.RawMessage) error {
 // RemoveSealedKeys removes every stored sealed key, so that only a rejoin ticket or a recovery unlocks the
 // disk from now on.
 func (d *Disk) RemoveSealedKeys(ctx context.Context) error {
-	tokens, err := d.vol.Tokens(ctx, SealedTokenType)
+	return d.removeSealed(ctx, func(uint64) bool { return true })
+}
+
+// PruneSealedKeys removes the sealed keys older than newest.
+func (d *Disk) PruneSealedKeys(ctx context.Context, newest uint64) error {
+	return d.removeSealed(ctx, func(seq uint64) bool { return seq < newest })
+}
+
+func (d *Disk) removeSealed(ctx context.Context, remove func(seq uint64) bool) error {
+	keys, err := d.SealedKeys(ctx)
 	if err != nil {
-		return fmt.Errorf("removing the sealed keys: %w", err)
+		return fmt.Errorf("removing sealed keys: %w", err)
 	}
-	for _, t := range tokens {
-		if err := d.vol.RemoveToken(ctx, t.ID); err != nil {
-			return fmt.Errorf("removing the sealed keys: %w", err)
+	removed := 0
+	for _, k := range keys {
+		if !remove(k.Seq) {
+			continue
 		}
+		if err := d.vol.RemoveToken(ctx, k.Token); err != nil {
+			return fmt.Errorf("removing sealed keys: %w", err)
+		}
+		removed++
 	}
-	if len(tokens) > 0 {
-		d.logger.Info("sealed keys removed", "device", d.vol.Path(), "tokens", len(tokens))
+	if removed > 0 {
+		d.logger.Info("sealed keys removed", "device", d.vol.Path(), "tokens", removed)
 	}
 	return nil
 }

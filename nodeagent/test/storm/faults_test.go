@@ -95,6 +95,8 @@ func TestFaults(t *testing.T) {
 			"disk-" + statedisk.StepLabelled, // the old key is still there: removing it is next
 			joinclient.FailpointAfterCredentials,
 			"kubeadm", // the agent is killed while kubeadm join runs
+			// A worker that seals its key dies right after storing it: the next boot unlocks from the TPM.
+			"disk-" + statedisk.StepSealedStored,
 		}
 		workers := h.AddWorkers(len(points))
 		for i, point := range points {
@@ -210,7 +212,8 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 	}
 	kubeadm := filepath.Join(dir, "kubeadm")
 	crashKubeadm := "#!/bin/sh\nkill -9 $PPID\nsleep 5\n"
-	config, err := h.writeAgentConfig(dir, addr, tpm.Device(), img, kubeadm)
+	sealing := point == "disk-"+statedisk.StepSealedStored
+	config, err := h.writeAgentConfig(dir, addr, tpm.Device(), img, kubeadm, sealing)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -236,8 +239,12 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("the agent was to die by SIGKILL at %s; it ended with %v:\n%s", point, err, out)
 	}
-	if err, out := run(nil, "#!/bin/sh\nexit 0\n"); err != nil {
+	err, out = run(nil, "#!/bin/sh\nexit 0\n")
+	if err != nil {
 		t.Fatalf("booting again after the crash at %s: %v\n%s", point, err, out)
+	}
+	if sealing && !strings.Contains(out, "state disk unlocked from the TPM") {
+		t.Errorf("after the crash at %s the agent did not unlock from its TPM:\n%s", point, out)
 	}
 
 	vol := luks.New(img, nil)

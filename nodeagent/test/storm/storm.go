@@ -337,7 +337,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
 		return 0, 0, err
 	}
-	config, err := h.writeAgentConfig(dir, w.Addresses[0].String(), tpm.Device(), img, kubeadm)
+	config, err := h.writeAgentConfig(dir, w.Addresses[0].String(), tpm.Device(), img, kubeadm, false)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -374,8 +374,9 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 }
 
 // writeAgentConfig writes the configuration of a real agent process in dir and returns its path.
-func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string) (string, error) {
+func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string, localUnlock bool) (string, error) {
 	cfg := map[string]any{
+		"localUnlock": localUnlock,
 		"metadataURL": h.MetaURL, "tpm": tpm, "stateDisk": img, "sourceAddress": addr, "kubeadm": kubeadm,
 		"pcrs": clustertest.QuotedPCRs, "retryMax": "2s",
 		"paths": map[string]string{"state": filepath.Join(dir, "state"), "kubernetesDir": filepath.Join(dir, "kubernetes"),
