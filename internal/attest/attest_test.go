@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -186,5 +187,20 @@ func TestParseCABundle(t *testing.T) {
 	}
 	if _, _, err := attest.ParseCABundle([]byte("not pem")); err == nil {
 		t.Fatal("empty bundle accepted")
+	}
+}
+
+func TestPCRIndexes(t *testing.T) {
+	if got, err := attest.PCRIndexes([]uint32{11, 0, 23}); err != nil || !slices.Equal(got, []int{11, 0, 23}) {
+		t.Errorf("PCRIndexes = %v, %v", got, err)
+	}
+	many := make([]uint32, 25)
+	for i := range many {
+		many[i] = uint32(i % 24)
+	}
+	for _, bad := range [][]uint32{nil, {24}, {7, 7}, many} {
+		if got, err := attest.PCRIndexes(bad); err == nil {
+			t.Errorf("PCRIndexes(%v) = %v, want an error", bad, got)
+		}
 	}
 }

@@ -3,14 +3,22 @@ package lab
 import (
 	"context"
 	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
 	"math/big"
+	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
 )
 
 // TestLoneControlPlaneReboot brings up one control-plane node and two workers, reboots the control-plane
@@ -51,10 +59,11 @@ func TestClusterColdStart(t *testing.T) {
 	defer cancel()
 	var l *Lab
 	labTest(t, func(c Config) (err error) {
-		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"cp-1", metadata.RoleControlPlane},
-			{"cp-2", metadata.RoleControlPlane}, {"worker-0", metadata.RoleWorker}}
-		l, err = Up(ctx, c)
-		return err
+		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"worker-0", metadata.RoleWorker}}
+		if l, err = Up(ctx, c); err != nil {
+			return err
+		}
+		return l.Grow(ctx, NodeSpec{"cp-1", metadata.RoleControlPlane}, NodeSpec{"cp-2", metadata.RoleControlPlane})
 	})
 	before := snapshot(ctx, t, l)
 	cp := l.Node("cp-0")
@@ -230,4 +239,221 @@ func notInLog(t *testing.T, n *Node, mark int64, text string) {
 	if log := logFrom(t, n, mark); strings.Contains(log, text) {
 		t.Errorf("%s: its agent's log of this boot has %s", n.Name, text)
 	}
+}
+
+// TestImageRoll rolls the cluster from image A to image B the way an operator does: the policy gains B, a
+// control-plane node and a worker reboot into B and come back (the control-plane node from its TPM, since it
+// resealed to the new policy while it ran), then the policy drops A. A worker that boots A again can neither
+// unseal its key (the refusal names PCR 11, expected and got) nor get a rejoin ticket (the join service's
+// refusal names the same PCR).
+func TestImageRoll(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	var l *Lab
+	labTest(t, func(c Config) (err error) {
+		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"worker-0", metadata.RoleWorker}}
+		l, err = Up(ctx, c)
+		return err
+	})
+	cp, w := l.Node("cp-0"), l.Node("worker-0")
+	// The worker seals too (an edge node), and asks for the policy often enough for a test.
+	if err := w.SetAgentOption("localUnlock", true); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.SetAgentOption("localUnlockRefresh", "2s"); err != nil {
+		t.Fatal(err)
+	}
+	a, b := ImageNames[0], ImageNames[1]
+	cpMark := logMark(t, cp)
+	setPolicy(ctx, t, l, a, b)
+	waitLog(ctx, t, cp, cpMark, `"msg":"disk key sealed to the join policy"`, `"images":["`+a+`","`+b+`"]`)
+
+	rebootInto := func(n *Node, image string) int64 {
+		t.Helper()
+		n.Image = image
+		mark := logMark(t, n)
+		since := time.Now()
+		if err := n.Reboot(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.WaitRestarted(ctx, n, since); err != nil {
+			t.Fatal(err)
+		}
+		return mark
+	}
+	mark := rebootInto(cp, b)
+	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
+	wantInLog(t, cp, mark, `"image":"`+b+`"`)
+	mark = rebootInto(w, b)
+	wantInLog(t, w, mark, `"msg":"rejoin ticket received"`)
+	waitLog(ctx, t, w, mark, `"msg":"disk key sealed to the join policy"`, `"images":["`+a+`","`+b+`"]`)
+
+	cpMark, wMark := logMark(t, cp), logMark(t, w)
+	setPolicy(ctx, t, l, b)
+	waitLog(ctx, t, cp, cpMark, `"msg":"disk key sealed to the join policy"`, `"images":["`+b+`"]`)
+	waitLog(ctx, t, w, wMark, `"msg":"disk key sealed to the join policy"`, `"images":["`+b+`"]`)
+
+	// worker-0 boots A again: refused locally and by the join service, both naming PCR 11.
+	w.Image = a
+	mark = logMark(t, w)
+	cpMark = logMark(t, cp)
+	if err := w.Reboot(ctx); err != nil {
+		t.Fatal(err)
+	}
+	expected, got := hex.EncodeToString(PredictedPCRs(b)[imagePCR]), hex.EncodeToString(PredictedPCRs(a)[imagePCR])
+	waitLog(ctx, t, w, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`,
+		fmt.Sprintf("differs at PCR %d: expected %s, got %s", imagePCR, expected, got))
+	waitLog(ctx, t, cp, cpMark, `"msg":"measurements refused"`, `"peer_node":"worker-0"`,
+		fmt.Sprintf("PCR %d: expected %s, got %s", imagePCR, expected, got))
+	notInLog(t, w, mark, `"msg":"rejoin ticket received"`)
+}
+
+// setPolicy writes the join policy ConfigMap, as berth_join_policy does, allowing images for both roles.
+func setPolicy(ctx context.Context, t *testing.T, l *Lab, images ...string) {
+	t.Helper()
+	p := &policy.Policy{}
+	for _, name := range images {
+		p.Images = append(p.Images, policy.Image{Name: name, PCRs: PredictedPCRs(name),
+			Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}})
+	}
+	doc, err := p.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cm, err := json.Marshal(map[string]any{
+		"apiVersion": "v1", "kind": "ConfigMap",
+		"metadata": map[string]any{"name": "berth-join-policy", "namespace": "kube-system"},
+		"data":     map[string]string{policy.ConfigMapKey: string(doc)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.kubectlStdin(ctx, string(cm), "apply", "-f", "-"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitLog waits until one line the node's agent logged after mark holds every text.
+func waitLog(ctx context.Context, t *testing.T, n *Node, mark int64, texts ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	defer cancel()
+	for {
+		for line := range strings.Lines(logFrom(t, n, mark)) {
+			if allIn(line, texts) {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s: no line of its agent's log has all of %q; it reads:\n%s", n.Name, texts, tail(logFrom(t, n, mark), 40))
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+func allIn(line string, texts []string) bool {
+	for _, s := range texts {
+		if !strings.Contains(line, s) {
+			return false
+		}
+	}
+	return true
+}
+
+// TestRecovery clears the TPM of a cluster's only control-plane node while it is off: its sealed key is
+// useless (the storage seed changed) and no other node can give it a rejoin ticket. berth-agent recover,
+// run by the operator with the root key, brings it back; before that, a wrong root key is refused by the
+// node (the key opens nothing) and a policy without the node's image is refused by the operator's tool,
+// naming PCR 11, expected and got, with nothing sent to the node. Recovered, the node seals its key in its
+// new storage hierarchy and its next reboot needs nobody.
+func TestRecovery(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	var l *Lab
+	c := labTest(t, func(c Config) (err error) {
+		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}}
+		l, err = Up(ctx, c)
+		return err
+	})
+	cp := l.Node("cp-0")
+	cp.PowerOff()
+	if err := cp.ClearTPM(); err != nil {
+		t.Fatal(err)
+	}
+	mark := logMark(t, cp)
+	since := time.Now()
+	if err := cp.powerOn(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitLog(ctx, t, cp, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`, "another TPM, or in this one before it was cleared")
+	waitLog(ctx, t, cp, mark, `"msg":"recovery server listening`)
+
+	dir := t.TempDir()
+	root, err := l.RootKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wrong := base64.StdEncoding.EncodeToString([]byte(rand.Text() + rand.Text())[:32])
+	write := func(name, content string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	policyFile := func(images ...string) string {
+		p := &policy.Policy{}
+		for _, name := range images {
+			p.Images = append(p.Images, policy.Image{Name: name, PCRs: PredictedPCRs(name), Roles: []metadata.Role{metadata.RoleControlPlane}})
+		}
+		doc, err := p.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return write("policy-"+strings.Join(images, "-")+".yaml", string(doc))
+	}
+	recoverNode := func(rootKey, policyPath string) (string, error) {
+		out, err := exec.CommandContext(ctx, c.AgentBinary, "recover", "--node", net.JoinHostPort(cp.Addr.String(), fmt.Sprint(initPort)),
+			"--root-key-file", write("root-key", rootKey), "--policy", policyPath, "--ek-ca-bundle", l.EKCAPath(),
+			"--expect-name", "cp-0").CombinedOutput()
+		return string(out), err
+	}
+	a, b := ImageNames[0], ImageNames[1]
+
+	out, err := recoverNode(root, policyFile(b))
+	expected, got := hex.EncodeToString(PredictedPCRs(b)[imagePCR]), hex.EncodeToString(PredictedPCRs(a)[imagePCR])
+	if err == nil || !strings.Contains(out, fmt.Sprintf("PCR %d: expected %s, got %s", imagePCR, expected, got)) || !strings.Contains(out, "nothing was sent") {
+		t.Fatalf("recovery with a policy without the node's image: %v\n%s\nwant a refusal naming PCR %d", err, out, imagePCR)
+	}
+	notInLog(t, cp, mark, "the key does not open")
+
+	out, err = recoverNode(wrong, policyFile(a))
+	if err == nil || !strings.Contains(out, "does not open this node's state disk") {
+		t.Fatalf("recovery with a wrong root key: %v\n%s\nwant the node's refusal", err, out)
+	}
+	wantInLog(t, cp, mark, `"msg":"recovery refused: the key does not open the state disk"`)
+	notInLog(t, cp, mark, "state disk recovered")
+
+	out, err = recoverNode(root, policyFile(a))
+	if err != nil {
+		t.Fatalf("recovery: %v\n%s", err, out)
+	}
+	t.Logf("berth-agent recover:\n%s", out)
+	if err := l.WaitRestarted(ctx, cp, since); err != nil {
+		t.Fatal(err)
+	}
+	wantInLog(t, cp, mark, `"msg":"state disk recovered by the operator"`)
+	waitLog(ctx, t, cp, mark, `"msg":"disk key sealed to the join policy"`)
+	checkDerivedKeyAlone(ctx, t, l, cp)
+
+	mark = logMark(t, cp)
+	since = time.Now()
+	if err := cp.Reboot(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.WaitRestarted(ctx, cp, since); err != nil {
+		t.Fatal(err)
+	}
+	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
 }

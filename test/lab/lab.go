@@ -15,6 +15,7 @@ package lab
 import (
 	"context"
 	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -32,6 +33,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
@@ -118,8 +120,9 @@ type Lab struct {
 	JoinCA  *pki.CA
 	Timings map[string]time.Duration
 	start   time.Time
-	// secrets are the cluster's, in the process that ran Up.
-	secrets *labSecrets
+	// secrets and userData are the cluster's, in the process that ran Up.
+	secrets  *labSecrets
+	userData metadata.UserData
 }
 
 // hostState is lab.json: what a later process needs to add nodes to the host.
@@ -312,10 +315,9 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	l.KubeCA, l.JoinCA, l.secrets = secrets.kubeCA, secrets.joinCA, secrets
 	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
 		InitSecretHash: secrets.initHash}
-	for i, spec := range specs {
-		m := Machine{Name: spec.Name, Role: spec.Role, Addr: netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + i)}),
-			Image: ImageNames[0], UserData: userData}
-		if _, err := l.AddNode(ctx, m); err != nil {
+	l.userData = userData
+	for _, spec := range specs {
+		if _, err := l.AddNode(ctx, l.machine(spec)); err != nil {
 			return err
 		}
 	}
@@ -338,7 +340,33 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	return l.WaitReady(ctx, l.Nodes)
 }
 
+// machine is the next machine of a lab Up made: the next address, the first image, the cluster's user-data.
+func (l *Lab) machine(spec NodeSpec) Machine {
+	return Machine{Name: spec.Name, Role: spec.Role, Addr: netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + len(l.Nodes))}),
+		Image: ImageNames[0], UserData: l.userData}
+}
+
+// Grow adds nodes to a lab Up made, one at a time, each Ready before the next starts: kubeadm joins
+// control-plane nodes one by one, since etcd adds one member at a time.
+func (l *Lab) Grow(ctx context.Context, specs ...NodeSpec) error {
+	for _, spec := range specs {
+		n, err := l.AddNode(ctx, l.machine(spec))
+		if err != nil {
+			return err
+		}
+		wait, cancel := context.WithTimeout(ctx, 4*time.Minute)
+		err = l.WaitReady(wait, []*Node{n})
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 type labSecrets struct {
+	// root is the root key everything else derives from, as berth_secrets takes it.
+	root           []byte
 	master, salt   []byte
 	initSecret     string
 	initHash       string
@@ -346,28 +374,30 @@ type labSecrets struct {
 }
 
 func newSecrets() (*labSecrets, error) {
-	s := &labSecrets{}
-	var err error
-	if s.master, err = keys.NewSecret(); err != nil {
+	root, err := keys.NewSecret()
+	if err != nil {
 		return nil, err
 	}
-	if s.salt, err = keys.NewSecret(); err != nil {
+	derived, err := clustersecrets.Derive(root)
+	if err != nil {
 		return nil, err
 	}
-	if s.initSecret, err = initsecret.NewSecret(); err != nil {
-		return nil, err
-	}
+	s := &labSecrets{root: root, master: derived.MasterSecret, salt: derived.Salt, initSecret: derived.InitSecret}
 	if s.initHash, err = initsecret.Hash([]byte(s.initSecret)); err != nil {
 		return nil, err
 	}
-	now := time.Now()
-	if s.kubeCA, err = pki.NewCA("kubernetes", now, 10*365*24*time.Hour); err != nil {
-		return nil, err
-	}
-	if s.joinCA, err = pki.NewCA("berth-join-ca", now, 10*365*24*time.Hour); err != nil {
+	if s.kubeCA, s.joinCA, err = derived.NewCAs(time.Now(), 10*365*24*time.Hour); err != nil {
 		return nil, err
 	}
 	return s, nil
+}
+
+// RootKey is the cluster's root key in base64, as an operator keeps it; only the process that ran Up knows it.
+func (l *Lab) RootKey() (string, error) {
+	if l.secrets == nil {
+		return "", errors.New("the cluster's secrets are known only to the process that brought the lab up")
+	}
+	return base64.StdEncoding.EncodeToString(l.secrets.root), nil
 }
 
 // startMetadata runs the lab's instance-metadata service as a daemon on the host side of the bridge; it

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -17,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/google/go-tpm/tpm2"
+	"github.com/google/go-tpm/tpm2/transport"
 	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/cloudinit"
@@ -446,6 +449,33 @@ state = "/run/containerd"
 		return err
 	}
 	return os.WriteFile(n.path("agent.yaml"), data, 0o600)
+}
+
+// ClearTPM clears the node's TPM as an owner who runs TPM2_Clear would (its storage seed changes; its EK and
+// EK certificate stay). The node must be powered off: its swtpm runs only for the command.
+func (n *Node) ClearTPM() error {
+	sock := n.path("tpm/clear.sock")
+	cmd := swtpm.Command(n.path("tpm/state"), sock)
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("clearing %s's TPM: %w", n.Name, err)
+	}
+	defer func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}()
+	if err := swtpm.WaitReady(sock, 10*time.Second); err != nil {
+		return err
+	}
+	conn, err := net.Dial("unix", sock)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	_, err = tpm2.Clear{AuthHandle: tpm2.AuthHandle{Handle: tpm2.TPMRHLockout, Auth: tpm2.PasswordAuth(nil)}}.Execute(transport.FromReadWriter(conn))
+	if err != nil {
+		return fmt.Errorf("clearing %s's TPM: %w", n.Name, err)
+	}
+	return nil
 }
 
 // Disk is the node's state disk.

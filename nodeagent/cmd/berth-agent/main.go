@@ -39,6 +39,9 @@ Usage:
                                             join without kubeadm; see docs/external-control-plane.md)
   berth-agent status      [--config FILE] [--json]   what this node is and why
   berth-agent measure     --uki FILE [--json]        predict the PCR values booting this UKI produces
+  berth-agent recover     --node HOST:PORT --root-key-file FILE|- --ek-ca-bundle FILE (--policy FILE | --manifest FILE --image NAME)
+                                            give a node that cannot unlock its state disk its key back, from
+                                            the cluster's root key, once it proved its image (docs/recovery.md)
   berth-agent version
 
 Flags of boot, joinservice and status: --log-level debug|info|warn|error, --debug-listen ADDR (pprof on a
@@ -68,6 +71,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 0
 	case "measure":
 		return runMeasure(args, stdout, stderr)
+	case "recover":
+		return runRecover(args, stdout, stderr)
 	case "boot", "joinservice", "status":
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)

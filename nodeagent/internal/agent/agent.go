@@ -59,8 +59,9 @@ type Deps struct {
 	// OpenProver opens the TPM.
 	OpenProver func(device string) (Prover, error)
 	Kubeadm    Kubeadm
-	// KubeClient connects the join service to the API server.
-	KubeClient func(kubeconfig string) (kubernetes.Interface, error)
+	// KubeClient connects the join service to the API server with kubeconfig's credentials; server, if set,
+	// is the API server to use instead of the kubeconfig's.
+	KubeClient func(kubeconfig, server string) (kubernetes.Interface, error)
 	Logger     *slog.Logger
 }
 
@@ -80,14 +81,19 @@ func RealDeps(cfg *Config, logger *slog.Logger) Deps {
 			return p, nil
 		},
 		Kubeadm:    &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
-		KubeClient: KubeClient,
+		KubeClient: kubeClientAt,
 		Logger:     logger,
 	}
 }
 
 // KubeClient connects a join service to the API server with kubeconfig.
 func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
-	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	return kubeClientAt(kubeconfig, "")
+}
+
+// kubeClientAt is KubeClient talking to server (https://host:port) instead of the kubeconfig's, if set.
+func kubeClientAt(kubeconfig, server string) (kubernetes.Interface, error) {
+	rc, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
 	}
@@ -220,7 +226,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything.
 	var unlockPolicy []byte
 	if !prepared.Fresh {
-		if unlockPolicy, err = a.unlockKeyed(ctx, log, jc, unlock, prepared.UUID); err != nil {
+		if unlockPolicy, err = a.unlockKeyed(ctx, log, jc, unlock, prover, self, prepared.UUID); err != nil {
 			return err
 		}
 		state, err := nodestate.Read(a.cfg.Paths.State)
@@ -348,7 +354,7 @@ type clusterRecorder struct {
 }
 
 func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Info) error {
-	kube, err := r.a.deps.KubeClient(filepath.Join(r.a.cfg.Paths.KubernetesDir, "admin.conf"))
+	kube, err := r.a.deps.KubeClient(filepath.Join(r.a.cfg.Paths.KubernetesDir, "admin.conf"), "")
 	if err != nil {
 		return fmt.Errorf("publishing the cluster record: %w", err)
 	}

@@ -43,7 +43,13 @@ type kubeadmRecorder struct {
 func (k *kubeadmRecorder) Init(ctx context.Context, configPath string, progress func(string)) error {
 	progress("[init] Using Kubernetes version: v1.36.3")
 	k.record("init")
-	return os.WriteFile(filepath.Join(k.paths.KubernetesDir, "admin.conf"), []byte("apiVersion: v1\nkind: Config\n"), 0o600)
+	return os.WriteFile(filepath.Join(k.paths.KubernetesDir, "admin.conf"), []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: boot, cluster: {server: "https://127.0.0.2:6443"}}]
+users: [{name: admin, user: {}}]
+contexts: [{name: admin@boot, context: {cluster: boot, user: admin}}]
+current-context: admin@boot
+`), 0o600)
 }
 
 func (k *kubeadmRecorder) Join(ctx context.Context, configPath string, progress func(string)) error {
@@ -128,7 +134,7 @@ func TestBootInitThenJoin(t *testing.T) {
 		n := &labNode{cfg: cfg, kubeadm: &kubeadmRecorder{paths: cfg.Paths}, logs: &clustertest.SafeBuffer{}}
 		deps := RealDeps(cfg, slog.New(slog.NewTextHandler(n.logs, nil)))
 		deps.Kubeadm = n.kubeadm
-		deps.KubeClient = func(string) (kubernetes.Interface, error) { return kube, nil }
+		deps.KubeClient = func(string, string) (kubernetes.Interface, error) { return kube, nil }
 		var err error
 		if n.agent, err = New(cfg, deps); err != nil {
 			t.Fatal(err)

@@ -1,12 +1,15 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
+	"net/url"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -18,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
@@ -68,11 +72,18 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	kubeconfig := a.cfg.Kubeconfig
+	kubeconfig, server := a.cfg.Kubeconfig, ""
 	if kubeconfig == "" {
 		kubeconfig = filepath.Join(a.cfg.Paths.KubernetesDir, "admin.conf")
+		// kubeadm's admin.conf names the cluster's endpoint, which may be another control-plane node. The
+		// join service asks this node's own API server instead, so that it serves whenever this node's
+		// control plane does: after a power cut, the first control-plane node up gives the others their
+		// rejoin tickets.
+		if server, err = localAPIServer(kubeconfig, self.Instance.Addresses); err != nil {
+			return fmt.Errorf("join service: %w", err)
+		}
 	}
-	kube, err := a.deps.KubeClient(kubeconfig)
+	kube, err := a.deps.KubeClient(kubeconfig, server)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -171,6 +182,27 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 		gs.Stop()
 		return fmt.Errorf("join service: watching the join policy: %w", err)
 	}
+}
+
+// localAPIServer is the API server of this node: its first address, at the port of kubeconfig's server.
+func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
+	if len(addrs) == 0 {
+		return "", errors.New("the instance record lists no address for this node")
+	}
+	kc, err := clientcmd.LoadFromFile(kubeconfig)
+	if err != nil {
+		return "", fmt.Errorf("reading %s: %w", kubeconfig, err)
+	}
+	ctx, ok := kc.Contexts[kc.CurrentContext]
+	if !ok || kc.Clusters[ctx.Cluster] == nil {
+		return "", fmt.Errorf("%s has no current context with a cluster", kubeconfig)
+	}
+	u, err := url.Parse(kc.Clusters[ctx.Cluster].Server)
+	if err != nil {
+		return "", fmt.Errorf("%s: server: %w", kubeconfig, err)
+	}
+	port := cmp.Or(u.Port(), "443")
+	return "https://" + net.JoinHostPort(addrs[0].String(), port), nil
 }
 
 // ekVerifier trusts the TPM vendors' EK CAs in bundle.

@@ -5,9 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/initserver"
+	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
 
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
@@ -16,8 +24,9 @@ import (
 )
 
 // unlockKeyed opens a disk that was keyed on an earlier boot: from the TPM when a key sealed there opens at
-// this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns.
-func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, disk string) ([]byte, error) {
+// this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns, or by an
+// operator's recovery, whichever comes first.
+func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, prover Prover, self *metadata.Self, disk string) ([]byte, error) {
 	if unlock != nil {
 		key, image, err := unlock.Unlock(ctx)
 		switch {
@@ -35,14 +44,61 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 		}
 	}
 	log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", disk)
-	ticket, err := jc.Rejoin(ctx, disk)
+	// Until a ticket comes, an operator may give the key back (berth-agent recover): when no join service
+	// can help, that is the way back.
+	rec, stop, err := a.startRecoveryServer(prover, self, disk, log)
 	if err != nil {
 		return nil, err
 	}
-	if err := (unlockingDisk{a}).SetKey(ctx, nil, ticket.DiskKey); err != nil {
-		return nil, fmt.Errorf("unlocking the state disk: %w", err)
+	defer stop()
+	type rejoined struct {
+		ticket *berthv1.RejoinTicket
+		err    error
 	}
-	return ticket.UnlockPolicy, nil
+	done := make(chan rejoined, 1)
+	go func() {
+		t, err := jc.Rejoin(ctx, disk)
+		done <- rejoined{t, err}
+	}()
+	select {
+	case r := <-done:
+		if r.err != nil {
+			return nil, r.err
+		}
+		if err := (unlockingDisk{a}).SetKey(ctx, nil, r.ticket.DiskKey); err != nil {
+			return nil, fmt.Errorf("unlocking the state disk: %w", err)
+		}
+		return r.ticket.UnlockPolicy, nil
+	case <-rec.Done():
+		jc.Stop()
+		<-done
+		log.Info("state disk unlocked by the operator's recovery; rejoin stopped", "disk", disk)
+		return nil, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// startRecoveryServer serves RecoveryService on the init server's address, for a keyed disk's boot.
+func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk string, log *slog.Logger) (*recoveryserver.Server, func(), error) {
+	srv, err := recoveryserver.New(recoveryserver.Config{Prover: prover, Disk: unlockingDisk{a}, DiskUUID: disk,
+		Self: &self.Instance, Logger: log.With("component", "recovery")})
+	if err != nil {
+		return nil, nil, err
+	}
+	cert, err := initserver.ServerCredentials()
+	if err != nil {
+		return nil, nil, err
+	}
+	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	if err != nil {
+		return nil, nil, fmt.Errorf("recovery server: %w", err)
+	}
+	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	berthv1.RegisterRecoveryServiceServer(gs, srv)
+	go gs.Serve(lis)
+	log.Info("recovery server listening: an operator can recover this node with berth-agent recover", "address", lis.Addr().String())
+	return srv, func() { stopGracefully(gs, 10*time.Second) }, nil
 }
 
 // sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else what the join

@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
@@ -79,9 +80,6 @@ const (
 	KubeadmConfigFile = "kubeadm-init.yaml"
 	JoinPolicyFile    = "join-policy.yaml"
 )
-
-// maxPCR is the highest PCR index of a TPM 2.0 PC client.
-const maxPCR = 23
 
 // Config wires a Server. All fields but Timeout, InitTimeout, Clock and Logger are required.
 type Config struct {
@@ -287,8 +285,8 @@ func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitSe
 	if err != nil {
 		return nil
 	}
-	pcrs, ok := pcrList(msg.GetHello())
-	if !ok {
+	pcrs, err := attest.PCRIndexes(msg.GetHello().GetPcrs())
+	if err != nil {
 		return nil
 	}
 	ev, err := s.cfg.Prover.Evidence(nonce, pcrs)
@@ -320,23 +318,6 @@ func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitSe
 		return nil
 	}
 	return req
-}
-
-// pcrList reads the hello's PCR indexes: 1 to 24 distinct indexes of 0-23.
-func pcrList(h *berthv1.InitHello) ([]int, bool) {
-	if h == nil || len(h.Pcrs) == 0 || len(h.Pcrs) > maxPCR+1 {
-		return nil, false
-	}
-	var seen uint32
-	pcrs := make([]int, len(h.Pcrs))
-	for i, p := range h.Pcrs {
-		if p > maxPCR || seen&(1<<p) != 0 {
-			return nil, false
-		}
-		seen |= 1 << p
-		pcrs[i] = int(p)
-	}
-	return pcrs, true
 }
 
 // initialize applies p: it keys the disk, installs the Kubernetes CA where kubeadm takes it from, runs
