@@ -7,7 +7,7 @@
 //
 // Keys never touch the disk and never appear in a command line (where any local user could read them from
 // /proc): the key that authorizes an operation goes through cryptsetup's standard input (--key-file=-), and
-// a second key, when one is needed, through an inherited pipe that cryptsetup reads as /dev/fd/3.
+// a second key, when one is needed, through an inherited pipe that cryptsetup reads as /proc/self/fd/3.
 package luks
 
 import (
@@ -334,8 +334,10 @@ func (v *Volume) AddKey(ctx context.Context, existing, newKey []byte) error {
 		return fmt.Errorf("adding a key to %s: %w", v.path, err)
 	}
 	args := append([]string{"luksAddKey", "--batch-mode", "--key-file=-"}, kdfArgs...)
-	// The new key is the positional key file; /dev/fd/3 is the first of cmd.ExtraFiles.
-	if _, err := v.run(ctx, existing, newKey, append(args, v.path, "/dev/fd/3")...); err != nil {
+	// The new key is the positional key file, the first of cmd.ExtraFiles. /proc/self/fd rather than
+	// /dev/fd: a minimal system (an initrd, the local node image) has /proc but no /dev/fd link, which
+	// only udev or systemd makes.
+	if _, err := v.run(ctx, existing, newKey, append(args, v.path, "/proc/self/fd/3")...); err != nil {
 		return fmt.Errorf("adding a key to %s: %w", v.path, keyErr(err))
 	}
 	v.logger.Info("luks key added", "device", v.path)
