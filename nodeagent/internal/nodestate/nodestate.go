@@ -95,8 +95,10 @@ func Write(dir string, s *State) error {
 	return WriteFile(filepath.Join(dir, stateFile), data, 0o600)
 }
 
-// WriteFile writes atomically (temporary file, fsync, rename), creating parent directories, so that a crash
-// leaves either the old content or the new, never a torn file.
+// WriteFile writes atomically and durably (temporary file, fsync, rename, fsync of the directory), creating
+// parent directories, so that a crash leaves either the old content or the new, never a torn file, and a
+// power loss after it returns keeps the new: without the directory's fsync, a machine switched off seconds
+// after a join came back with its disk keyed and its membership record gone (seen in the measured-boot test).
 func WriteFile(path string, data []byte, mode os.FileMode) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return fmt.Errorf("writing %s: %w", path, err)
@@ -120,10 +122,26 @@ func WriteFile(path string, data []byte, mode os.FileMode) error {
 	if err == nil {
 		err = os.Rename(tmp, path)
 	}
+	if err == nil {
+		err = syncDir(filepath.Dir(path))
+	}
 	if err != nil {
 		return fmt.Errorf("writing %s: %w", path, err)
 	}
 	return nil
+}
+
+// syncDir makes the entries of dir, a rename into it among them, durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // ClusterSecrets is what a control-plane node keeps to serve the join service. It lives only on the
