@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/hex"
@@ -57,7 +58,10 @@ const (
 // same image with one byte of its kernel command line changed. A join service on the host, backed by a real
 // kube-apiserver and knowing nothing of the image but berth-image.json, then sees the first image's agent
 // attest from a QEMU boot (OVMF, swtpm) and issues it a ticket, its quoted PCR 4, 9, 11 and 12 being the
-// predicted ones; the changed image is refused, naming PCR 4 with the expected and the quoted value.
+// predicted ones. The node seals its disk key to that policy, and boots again with no join service
+// running: it unseals at the PCRs of the real boot, mounts its state disk (dm-crypt in the guest) and
+// reads back the membership it wrote there. The changed image is refused, naming PCR 4 with the expected
+// and the quoted value.
 func TestMeasuredBootJoin(t *testing.T) {
 	if os.Getenv("BERTH_E2E") == "" {
 		t.Skip("end-to-end test with the real packer, QEMU and kube-apiserver: make e2e-measured-boot runs it (BERTH_E2E=1)")
@@ -112,8 +116,8 @@ func TestMeasuredBootJoin(t *testing.T) {
 	clock.start("host: kube-apiserver, metadata, join service knowing only berth-image.json")
 	cluster := startHost(t, images["image"])
 
-	clock.start("boot: image → attested and accepted")
-	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), `"msg":"join ticket received"`)
+	clock.start("boot: image → attested, accepted, disk key sealed")
+	accepted := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), true, `"msg":"disk key sealed to the join policy"`)
 	if accepted.decision != "join ticket issued" || accepted.image != imageName {
 		t.Fatalf("the join service's decision on the image: %s (image %q, reason %q), want a ticket for %s", accepted.decision, accepted.image, accepted.reason, imageName)
 	}
@@ -127,8 +131,24 @@ func TestMeasuredBootJoin(t *testing.T) {
 		t.Errorf("the agent in the guest did not log the ticket it received:\n%s", tail(accepted.console, 40))
 	}
 
+	// The same machine boots again with no join service anywhere: its key, sealed to the policy computed
+	// from the predicted PCRs, unseals at the PCRs of a real measured boot, and the membership record it
+	// wrote on the mounted state disk in the first boot is read back.
+	clock.start("boot: the same machine again, no join service → unlocked from its TPM")
+	cluster.stopJoins()
+	again := cluster.boot(t, filepath.Join(dir, "image", "berth.raw"), filepath.Join(dir, "boot-image"), false, `"msg":"node rejoined"`)
+	for _, want := range []string{`"msg":"state disk unlocked from the TPM"`, `"image":"` + imageName + `"`, `"msg":"state disk mounted"`} {
+		if !strings.Contains(again.console, want) {
+			t.Errorf("the second boot's console lacks %s:\n%s", want, tail(again.console, 40))
+		}
+	}
+	if strings.Contains(again.console, "rejoin ticket received") || strings.Contains(again.console, "join ticket received") {
+		t.Error("the second boot got a ticket, with no join service running")
+	}
+	cluster.startJoins(t)
+
 	clock.start("boot: one-byte-changed image → refused")
-	refused := cluster.boot(t, filepath.Join(dir, "one-byte-changed", "berth.raw"), filepath.Join(dir, "boot-changed"), "measurements refused")
+	refused := cluster.boot(t, filepath.Join(dir, "one-byte-changed", "berth.raw"), filepath.Join(dir, "boot-changed"), true, "measurements refused")
 	if refused.decision != "measurements refused" {
 		t.Fatalf("the join service's decision on the changed image: %s (image %q), want it refused", refused.decision, refused.image)
 	}
@@ -152,6 +172,11 @@ type host struct {
 	forwards []measuredboot.Forward
 	ekCA     *swtpmtest.CA
 	joinLog  *logLines
+	// The join service, which stopJoins and startJoins take away and bring back on the same address.
+	joinAddr string
+	cert     tls.Certificate
+	svc      *joinservice.Server
+	srv      *grpc.Server
 }
 
 func startHost(t *testing.T, img *manifest.Image) *host {
@@ -184,11 +209,14 @@ func startHost(t *testing.T, img *manifest.Image) *host {
 	metaAddr := strings.TrimPrefix(c.MetaURL, "http://")
 
 	h := &host{ekCA: c.EKCA, joinLog: &logLines{}}
+	// Tickets of the kubelet method let the node finish its join in the guest, which has no kubeadm: the
+	// agent writes the kubelet's files and its membership, and then seals its disk key.
 	svc, err := joinservice.New(joinservice.Config{
 		Verifier:          attest.NewVerifier(c.EKCA.Roots(), c.EKCA.Intermediates(), nil),
 		Policy:            policy.NewStore(pol),
 		Instances:         &metadata.Client{BaseURL: c.MetaURL},
-		Tokens:            &joinservice.KubeTokens{Client: api.Client},
+		Method:            berthv1.JoinMethod_JOIN_METHOD_KUBELET,
+		Kubelet:           &berthv1.KubeletSettings{ClusterDns: []string{"10.96.0.10"}, ClusterDomain: "cluster.local"},
 		Disks:             &joinservice.KubeDisks{Client: api.Client},
 		MasterSecret:      c.Master,
 		Salt:              c.Salt,
@@ -209,17 +237,34 @@ func startHost(t *testing.T, img *manifest.Image) *host {
 		t.Fatal(err)
 	}
 	// The chain goes with the leaf: the node holds only the join CA's pin.
-	cert := tls.Certificate{Certificate: [][]byte{leaf.Raw, c.JoinCA.Cert.Raw}, PrivateKey: key, Leaf: leaf}
-	srv := grpc.NewServer(rpc.ServerOptions(cert)...)
-	berthv1.RegisterJoinServiceServer(srv, svc)
-	go srv.Serve(joinLis)
-	t.Cleanup(srv.Stop)
+	h.cert = tls.Certificate{Certificate: [][]byte{leaf.Raw, c.JoinCA.Cert.Raw}, PrivateKey: key, Leaf: leaf}
+	h.svc, h.joinAddr = svc, joinLis.Addr().String()
+	h.serve(joinLis)
+	t.Cleanup(h.stopJoins)
 
 	h.forwards = []measuredboot.Forward{
 		{Guest: metadataGuest, Host: metaAddr},
 		{Guest: netip.AddrPortFrom(joinGuestAddr, uint16(joinPort)), Host: joinLis.Addr().String()},
 	}
 	return h
+}
+
+func (h *host) serve(lis net.Listener) {
+	h.srv = grpc.NewServer(rpc.ServerOptions(h.cert)...)
+	berthv1.RegisterJoinServiceServer(h.srv, h.svc)
+	go h.srv.Serve(lis)
+}
+
+// stopJoins takes the join service away: its port refuses connections.
+func (h *host) stopJoins() { h.srv.Stop() }
+
+// startJoins brings the join service back on its address.
+func (h *host) startJoins(t *testing.T) {
+	lis, err := net.Listen("tcp", h.joinAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.serve(lis)
 }
 
 // bootResult is what one boot showed.
@@ -232,24 +277,28 @@ type bootResult struct {
 	quoted map[string]string
 }
 
-// boot boots disk with a freshly manufactured TPM and an empty state disk until the join service has
-// decided on the node and the guest's console shows consoleWant, and returns what the boot showed.
-func (h *host) boot(t *testing.T, disk, dir, consoleWant string) bootResult {
+// boot boots disk until the guest's console shows consoleWant and, for a fresh machine (a newly
+// manufactured TPM and an empty state disk in dir), the join service has decided on the node; otherwise it
+// boots the machine of an earlier boot in dir again, TPM state and state disk as that boot left them. It
+// returns what the boot showed.
+func (h *host) boot(t *testing.T, disk, dir string, fresh bool, consoleWant string) bootResult {
 	t.Helper()
 	const timeout = 8 * time.Minute
 	state := filepath.Join(dir, "tpm")
-	if err := os.MkdirAll(state, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.ekCA.Manufacture(state); err != nil {
-		t.Fatal(err)
-	}
 	stateDisk := filepath.Join(dir, "state.img")
-	if err := os.WriteFile(stateDisk, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(stateDisk, 64<<20); err != nil {
-		t.Fatal(err)
+	if fresh {
+		if err := os.MkdirAll(state, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.ekCA.Manufacture(state); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(stateDisk, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(stateDisk, 64<<20); err != nil {
+			t.Fatal(err)
+		}
 	}
 	seen := h.joinLog.len()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -264,6 +313,9 @@ func (h *host) boot(t *testing.T, disk, dir, consoleWant string) bootResult {
 	}()
 	res := bootResult{quoted: map[string]string{}}
 	decided := func() bool {
+		if !fresh {
+			return true
+		}
 		for _, line := range h.joinLog.lines()[seen:] {
 			msg, _ := line["msg"].(string)
 			switch {
@@ -294,7 +346,7 @@ func (h *host) boot(t *testing.T, disk, dir, consoleWant string) bootResult {
 		case <-tick.C:
 		}
 	}
-	t.Logf("%s %.1fs after power-on; the node's console ends:\n%s", res.decision, time.Since(start).Seconds(), tail(console.String(), 6))
+	t.Logf("%s %.1fs after power-on; the node's console ends:\n%s", cmp.Or(res.decision, consoleWant), time.Since(start).Seconds(), tail(console.String(), 6))
 	cancel()
 	<-booted
 	res.console = console.String()
