@@ -215,12 +215,8 @@ func (a *Agent) Boot(ctx context.Context) error {
 		sup := &kubelet.Supervisor{Binary: a.cfg.Kubelet.Binary, Paths: a.cfg.Paths, ExtraArgs: a.cfg.Kubelet.ExtraArgs, Logger: log}
 		go func() { kubeletDone <- sup.Run(ctx) }()
 	}
-	var unlock *localunlock.Unlocker
-	if a.cfg.sealsLocally(self.Instance.Role) {
-		unlock = &localunlock.Unlocker{TPM: prover, Disk: a.disk, Role: self.Instance.Role, Logger: log.With("component", "local-unlock")}
-		a.unlock = unlock
-	} else if err := a.disk.RemoveSealedKeys(ctx); err != nil {
-		// A node whose local unlock was turned off must not keep unlocking from its TPM.
+	unlock, err := a.localUnlocker(ctx, prover, self.Instance.Role, log)
+	if err != nil {
 		return err
 	}
 	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything.
@@ -243,7 +239,6 @@ func (a *Agent) Boot(ctx context.Context) error {
 			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
 				return err
 			}
-			unlockPolicy = nil
 		case err != nil:
 			return fmt.Errorf("state disk unlocked but: %w", err)
 		default:

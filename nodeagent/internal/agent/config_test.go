@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -190,5 +191,24 @@ func TestLoadConfigMissingFile(t *testing.T) {
 	_, err := LoadConfig(filepath.Join(t.TempDir(), "absent.yaml"))
 	if err == nil || !strings.Contains(err.Error(), "reading agent configuration") || !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("LoadConfig of a missing file: %v", err)
+	}
+}
+
+func TestSealsLocally(t *testing.T) {
+	on, off := true, false
+	for _, tc := range []struct {
+		setting *bool
+		role    metadata.Role
+		want    bool
+	}{
+		{nil, metadata.RoleControlPlane, true},
+		{nil, metadata.RoleWorker, false},
+		{&off, metadata.RoleControlPlane, false},
+		{&on, metadata.RoleWorker, true},
+	} {
+		c := &Config{LocalUnlock: tc.setting}
+		if got := c.sealsLocally(tc.role); got != tc.want {
+			t.Errorf("localUnlock %v, role %s: sealsLocally = %v, want %v", tc.setting, tc.role, got, tc.want)
+		}
 	}
 }

@@ -8,20 +8,30 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
-	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/nodeagent/internal/initserver"
-	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
-
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
+	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
 )
+
+// localUnlocker is the node's local unlock, nil when it does not seal; a node whose local unlock was turned
+// off loses the keys it sealed before, so that it no longer unlocks from its TPM.
+func (a *Agent) localUnlocker(ctx context.Context, prover Prover, role metadata.Role, log *slog.Logger) (*localunlock.Unlocker, error) {
+	if !a.cfg.sealsLocally(role) {
+		return nil, a.disk.RemoveSealedKeys(ctx)
+	}
+	a.unlock = &localunlock.Unlocker{TPM: prover, Disk: a.disk, Role: role, Logger: log.With("component", "local-unlock")}
+	return a.unlock, nil
+}
 
 // unlockKeyed opens a disk that was keyed on an earlier boot: from the TPM when a key sealed there opens at
 // this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns, or by an
@@ -65,6 +75,8 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 		if r.err != nil {
 			return nil, r.err
 		}
+		// No recovery may set the key at the same time.
+		stop()
 		if err := (unlockingDisk{a}).SetKey(ctx, nil, r.ticket.DiskKey); err != nil {
 			return nil, fmt.Errorf("unlocking the state disk: %w", err)
 		}
@@ -98,7 +110,8 @@ func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk str
 	berthv1.RegisterRecoveryServiceServer(gs, srv)
 	go gs.Serve(lis)
 	log.Info("recovery server listening: an operator can recover this node with berth-agent recover", "address", lis.Addr().String())
-	return srv, func() { stopGracefully(gs, 10*time.Second) }, nil
+	var once sync.Once
+	return srv, func() { once.Do(func() { stopGracefully(gs, 10*time.Second) }) }, nil
 }
 
 // sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else what the join

@@ -178,7 +178,7 @@ func (u *Unlocker) Seal(ctx context.Context, key []byte, p *policy.Policy) error
 			return err
 		}
 		u.current = sum[:]
-		u.log().Warn("the join policy allows no image for this role: local unlock is off until it does", "role", string(u.Role))
+		u.log().Warn("the join policy allows no image for this role: local unlock is off until it does")
 		return nil
 	}
 	var sealed *tpmseal.Sealed
@@ -201,7 +201,7 @@ func (u *Unlocker) Seal(ctx context.Context, key []byte, p *policy.Policy) error
 	for i, img := range p.Images {
 		names[i] = img.Name
 	}
-	u.log().Info("disk key sealed to the join policy", "role", string(u.Role), "images", names)
+	u.log().Info("disk key sealed to the join policy", "images", names)
 	return nil
 }
 
