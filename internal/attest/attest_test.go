@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"errors"
+	"net"
 	"slices"
 	"testing"
 	"time"
@@ -13,6 +14,8 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/google/go-tpm/tpm2"
+	"github.com/google/go-tpm/tpm2/transport"
 )
 
 func newProver(t *testing.T, ca *swtpmtest.CA) *attest.Prover {
@@ -203,4 +206,34 @@ func TestPCRIndexes(t *testing.T) {
 			t.Errorf("PCRIndexes(%v) = %v, want an error", bad, got)
 		}
 	}
+}
+
+// A process killed while it held TPM objects leaves them loaded in a TPM without a resource manager (swtpm on
+// a socket); swtpm has room for three. The next OpenTPM flushes them, or no attestation key would load.
+func TestOpenTPMFlushesLeftovers(t *testing.T) {
+	tpm := swtpmtest.NewCA(t).NewTPM(t)
+	conn, err := net.Dial("unix", tpm.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := transport.FromReadWriter(conn)
+	for range 3 {
+		if _, err := (tpm2.CreatePrimary{PrimaryHandle: tpm2.TPMRHOwner, InPublic: tpm2.New2B(tpm2.ECCSRKTemplate)}).Execute(raw); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := (tpm2.CreatePrimary{PrimaryHandle: tpm2.TPMRHOwner, InPublic: tpm2.New2B(tpm2.ECCSRKTemplate)}).Execute(raw); err == nil {
+		t.Fatal("swtpm loaded a fourth object: this test no longer fills it")
+	}
+	conn.Close()
+
+	opened, err := attest.OpenTPM(tpm.Device())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := attest.NewProver(opened)
+	if err != nil {
+		t.Fatalf("NewProver after a killed process's objects: %v", err)
+	}
+	defer p.Close()
 }

@@ -21,6 +21,7 @@ import (
 	"syscall"
 
 	gattest "github.com/google/go-attestation/attest"
+	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
 )
 
@@ -57,12 +58,43 @@ func OpenTPM(device string) (*TPM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
 	}
+	raw := transport.FromReadWriter(rwc)
+	if err := flushLeftovers(raw); err != nil {
+		rwc.Close()
+		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
+	}
 	tpm, err := gattest.OpenTPM(&gattest.OpenConfig{CommandChannel: channel{rwc}})
 	if err != nil {
 		rwc.Close()
 		return nil, fmt.Errorf("opening TPM %s: %w", device, err)
 	}
-	return &TPM{TPM: tpm, raw: transport.FromReadWriter(rwc)}, nil
+	return &TPM{TPM: tpm, raw: raw}, nil
+}
+
+// flushLeftovers flushes the objects and sessions a killed process left loaded. A TPM behind no resource
+// manager (swtpm on a socket, /dev/tpm0) keeps them, and has room for only a few: an agent killed while it
+// sealed would leave the next one unable to load its keys. Behind the kernel's resource manager
+// (/dev/tpmrm0) a connection sees only its own handles, none at first, so this does nothing there.
+func flushLeftovers(tpm transport.TPM) error {
+	for _, kind := range []tpm2.TPMHT{tpm2.TPMHTTransient, tpm2.TPMHTLoadedSession} {
+		rsp, err := tpm2.GetCapability{Capability: tpm2.TPMCapHandles, Property: uint32(kind) << 24, PropertyCount: 64}.Execute(tpm)
+		if err != nil {
+			return fmt.Errorf("listing loaded handles: %w", err)
+		}
+		handles, err := rsp.CapabilityData.Data.Handles()
+		if err != nil {
+			return fmt.Errorf("listing loaded handles: %w", err)
+		}
+		for _, h := range handles.Handle {
+			if h>>24 != tpm2.TPMHandle(kind) {
+				break
+			}
+			if _, err := (tpm2.FlushContext{FlushHandle: h}).Execute(tpm); err != nil {
+				return fmt.Errorf("flushing handle %#x left loaded: %w", uint32(h), err)
+			}
+		}
+	}
+	return nil
 }
 
 // openDevice opens a TPM character device in blocking mode. os.OpenFile would make it non-blocking for

@@ -19,6 +19,8 @@ import (
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
@@ -87,8 +89,9 @@ func TestFaults(t *testing.T) {
 			t.Errorf("the live heap grew by %d KiB over the third storm after %d KiB over the second: something grows with every ticket", growth>>10, (heaps[1]-heaps[0])>>10)
 		}
 	})
+	// The crash runs boot a failpoint build; the join service keeps running the build it started with.
+	h.agentBin = buildFailpointAgent(t)
 	t.Run("agents crashed at each step of the join", func(t *testing.T) {
-		h.agentBin = buildFailpointAgent(t)
 		points := []string{
 			joinclient.FailpointAfterLock,
 			"disk-" + statedisk.StepKeyAdded,
@@ -103,6 +106,151 @@ func TestFaults(t *testing.T) {
 			t.Run(point, func(t *testing.T) { h.crashAndReboot(t, workers[i].Name, workers[i].Addresses[0].String(), point) })
 		}
 	})
+	t.Run("sealing workers crashed at each step of a reseal", func(t *testing.T) {
+		points := []string{"disk-" + statedisk.StepSealedStored, "disk-" + statedisk.StepSealedPruned}
+		workers := h.AddWorkers(len(points))
+		for i, point := range points {
+			t.Run(point, func(t *testing.T) { h.crashWhileResealing(t, workers[i].Name, workers[i].Addresses[0].String(), point) })
+		}
+	})
+}
+
+// crashWhileResealing runs a failpoint build of berth-agent as a worker that seals its key: it joins and
+// seals to the policy, the policy gains an image, and the agent booted again unlocks from its TPM, learns
+// the new policy at its next refresh, and dies at point while sealing to it. Booted once more, it unlocks
+// from its TPM, and its disk holds the derived key alone and one sealed key.
+func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
+	t.Helper()
+	dir := filepath.Join(h.dir, "reseal", name)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "state.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	kubeadm := filepath.Join(dir, "kubeadm")
+	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	// The agent stays up as the kubelet's supervisor (no kubelet ever starts: kubeadm writes nothing), so
+	// that it refreshes its policy every second.
+	config, err := h.writeAgentConfig(dir, addr, h.EKCA.NewTPM(t).Device(), img, kubeadm, map[string]any{
+		"localUnlock": true, "localUnlockRefresh": "1s", "kubelet": map[string]any{"run": true, "binary": "/bin/false"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	boot := func(env []string, until string) (string, error) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		var out clustertest.SafeBuffer
+		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
+		cmd.Env = append(os.Environ(), env...)
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }()
+		for {
+			select {
+			case err := <-exited:
+				return out.String(), err
+			case <-time.After(100 * time.Millisecond):
+				if until != "" && strings.Contains(out.String(), until) {
+					cmd.Process.Kill()
+					<-exited
+					return out.String(), nil
+				}
+			}
+		}
+	}
+	if out, err := boot(nil, "disk key sealed to the join policy"); err != nil {
+		t.Fatalf("first boot: %v\n%s", err, out)
+	}
+	h.setPolicy(t, "swtpm-zero", "next")
+	defer h.setPolicy(t, "swtpm-zero")
+	out, err := boot([]string{failpoint.EnvVar + "=" + point}, "")
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("the agent was to die by SIGKILL at %s while it resealed; it ended with %v:\n%s", point, err, out)
+	}
+	if !strings.Contains(out, "state disk unlocked from the TPM") {
+		t.Fatalf("the second boot did not unlock from the TPM:\n%s", out)
+	}
+	if out, err = boot(nil, "state disk unlocked from the TPM"); err != nil {
+		t.Fatalf("booting after the crash at %s: %v\n%s", point, err, out)
+	}
+	vol := luks.New(img, nil)
+	h.checkDerivedKeyAlone(t, vol)
+	if tokens, err := vol.Tokens(context.Background(), statedisk.SealedTokenType); err != nil || len(tokens) != 1 {
+		t.Errorf("sealed keys after the boot that followed the crash at %s: %d (%v), want the newest alone", point, len(tokens), err)
+	}
+}
+
+// setPolicy makes the join service's policy admit the given images for workers: swtpm-zero is what the
+// agents' fresh swtpms quote, any other name an image no agent runs.
+func (h *Host) setPolicy(t *testing.T, images ...string) {
+	t.Helper()
+	p := &policy.Policy{}
+	for _, name := range images {
+		img := clustertest.ZeroPolicy(name, metadata.RoleWorker).Images[0]
+		if name != "swtpm-zero" {
+			for i := range img.PCRs {
+				img.PCRs[i] = bytes.Repeat([]byte{0xb}, 32)
+			}
+		}
+		p.Images = append(p.Images, img)
+	}
+	data, err := p.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	loaded := func() int { return strings.Count(h.current().Log(), `"msg":"join policy loaded"`) }
+	before := loaded()
+	if err := nodestate.WriteFile(filepath.Join(h.dir, "policy.yaml"), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// The service reads its policy file every few seconds: wait until it has this one.
+	for deadline := time.Now().Add(time.Minute); loaded() == before; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the join service did not load the policy of %v", images)
+		}
+	}
+}
+
+// checkDerivedKeyAlone fails unless the disk opens with its derived key and holds no other keyslot.
+func (h *Host) checkDerivedKeyAlone(t *testing.T, vol *luks.Volume) {
+	t.Helper()
+	ctx := context.Background()
+	uuid, err := vol.UUID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	label, err := keys.DiskLabel(uuid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := keys.Derive(h.Master, h.Salt, label, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slot, err := vol.KeySlot(ctx, key)
+	if err != nil {
+		t.Fatalf("the state disk does not open with its derived key: %v", err)
+	}
+	slots, err := vol.Slots(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(slots) != 1 || slots[0] != slot {
+		t.Errorf("the state disk holds key slots %v, want only slot %d of its derived key", slots, slot)
+	}
 }
 
 // current is the join service running now.
@@ -213,7 +361,7 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 	kubeadm := filepath.Join(dir, "kubeadm")
 	crashKubeadm := "#!/bin/sh\nkill -9 $PPID\nsleep 5\n"
 	sealing := point == "disk-"+statedisk.StepSealedStored
-	config, err := h.writeAgentConfig(dir, addr, tpm.Device(), img, kubeadm, sealing)
+	config, err := h.writeAgentConfig(dir, addr, tpm.Device(), img, kubeadm, map[string]any{"localUnlock": sealing})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,30 +395,7 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 		t.Errorf("after the crash at %s the agent did not unlock from its TPM:\n%s", point, out)
 	}
 
-	vol := luks.New(img, nil)
-	uuid, err := vol.UUID(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	label, err := keys.DiskLabel(uuid)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key, err := keys.Derive(h.Master, h.Salt, label, 32)
-	if err != nil {
-		t.Fatal(err)
-	}
-	slot, err := vol.KeySlot(context.Background(), key)
-	if err != nil {
-		t.Fatalf("the state disk does not open with its derived key after the crash at %s: %v", point, err)
-	}
-	slots, err := vol.Slots(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(slots) != 1 || slots[0] != slot {
-		t.Errorf("the state disk holds key slots %v, want only slot %d of its derived key", slots, slot)
-	}
+	h.checkDerivedKeyAlone(t, luks.New(img, nil))
 	if state, err := nodestate.Read(filepath.Join(dir, "state")); err != nil || state.NodeName == "" {
 		t.Errorf("no node state after the reboot: %+v, %v", state, err)
 	}

@@ -17,6 +17,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/netip"
 	"os"
@@ -337,7 +338,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
 		return 0, 0, err
 	}
-	config, err := h.writeAgentConfig(dir, w.Addresses[0].String(), tpm.Device(), img, kubeadm, false)
+	config, err := h.writeAgentConfig(dir, w.Addresses[0].String(), tpm.Device(), img, kubeadm, nil)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -374,14 +375,15 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 }
 
 // writeAgentConfig writes the configuration of a real agent process in dir and returns its path.
-func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string, localUnlock bool) (string, error) {
+// writeAgentConfig writes a worker agent's configuration, with extra settings over the defaults.
+func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string, extra map[string]any) (string, error) {
 	cfg := map[string]any{
-		"localUnlock": localUnlock,
 		"metadataURL": h.MetaURL, "tpm": tpm, "stateDisk": img, "sourceAddress": addr, "kubeadm": kubeadm,
 		"pcrs": clustertest.QuotedPCRs, "retryMax": "2s",
 		"paths": map[string]string{"state": filepath.Join(dir, "state"), "kubernetesDir": filepath.Join(dir, "kubernetes"),
 			"kubeletDir": filepath.Join(dir, "kubelet")},
 	}
+	maps.Copy(cfg, extra)
 	data, err := yaml.Marshal(cfg)
 	if err != nil {
 		return "", err
