@@ -363,10 +363,10 @@ func allIn(line string, texts []string) bool {
 
 // TestRecovery clears the TPM of a cluster's only control-plane node while it is off: its sealed key is
 // useless (the storage seed changed) and no other node can give it a rejoin ticket. berth-agent recover,
-// run by the operator with the root key, brings it back; before that, a wrong root key is refused by the
-// node (the key opens nothing) and a policy without the node's image is refused by the operator's tool,
-// naming PCR 11, expected and got, with nothing sent to the node. Recovered, the node seals its key in its
-// new storage hierarchy and its next reboot needs nobody.
+// run by the operator with the root key, brings it back. Before that, the node booted from an image outside
+// the policy is refused by the operator's tool, naming PCR 11, expected and got, with nothing sent to the
+// node; and back on its image, a wrong root key is refused by the node (the key opens nothing). Recovered,
+// the node seals its key in its new storage hierarchy, and its next reboot needs nobody.
 func TestRecovery(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
@@ -377,16 +377,17 @@ func TestRecovery(t *testing.T) {
 		return err
 	})
 	cp := l.Node("cp-0")
+	a, b := ImageNames[0], ImageNames[1]
 	cp.PowerOff()
 	if err := cp.ClearTPM(); err != nil {
 		t.Fatal(err)
 	}
+	cp.Image = b
 	mark := logMark(t, cp)
-	since := time.Now()
 	if err := cp.powerOn(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitLog(ctx, t, cp, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`, "another TPM, or in this one before it was cleared")
+	waitLog(ctx, t, cp, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`)
 	waitLog(ctx, t, cp, mark, `"msg":"recovery server listening`)
 
 	dir := t.TempDir()
@@ -419,15 +420,23 @@ func TestRecovery(t *testing.T) {
 			"--expect-name", "cp-0").CombinedOutput()
 		return string(out), err
 	}
-	a, b := ImageNames[0], ImageNames[1]
 
-	out, err := recoverNode(root, policyFile(b))
-	expected, got := hex.EncodeToString(PredictedPCRs(b)[imagePCR]), hex.EncodeToString(PredictedPCRs(a)[imagePCR])
+	out, err := recoverNode(root, policyFile(a))
+	expected, got := hex.EncodeToString(PredictedPCRs(a)[imagePCR]), hex.EncodeToString(PredictedPCRs(b)[imagePCR])
 	if err == nil || !strings.Contains(out, fmt.Sprintf("PCR %d: expected %s, got %s", imagePCR, expected, got)) || !strings.Contains(out, "nothing was sent") {
-		t.Fatalf("recovery with a policy without the node's image: %v\n%s\nwant a refusal naming PCR %d", err, out, imagePCR)
+		t.Fatalf("recovery of a node booted from an image outside the policy: %v\n%s\nwant a refusal naming PCR %d", err, out, imagePCR)
 	}
 	notInLog(t, cp, mark, "the key does not open")
 
+	// Back on its image, the node still cannot unseal (its TPM was cleared).
+	cp.Image = a
+	mark = logMark(t, cp)
+	since := time.Now()
+	if err := cp.Reboot(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitLog(ctx, t, cp, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`, "another TPM, or in this one before it was cleared")
+	waitLog(ctx, t, cp, mark, `"msg":"recovery server listening`)
 	out, err = recoverNode(wrong, policyFile(a))
 	if err == nil || !strings.Contains(out, "does not open this node's state disk") {
 		t.Fatalf("recovery with a wrong root key: %v\n%s\nwant the node's refusal", err, out)
