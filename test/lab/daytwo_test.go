@@ -37,14 +37,7 @@ func TestLoneControlPlaneReboot(t *testing.T) {
 	})
 	before := snapshot(ctx, t, l)
 	cp := l.Node("cp-0")
-	mark := logMark(t, cp)
-	since := time.Now()
-	if err := cp.Reboot(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := l.WaitRestarted(ctx, cp, since); err != nil {
-		t.Fatal(err)
-	}
+	mark := reboot(ctx, t, l, cp)
 	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
 	coldStart(ctx, t, l, before)
 }
@@ -67,31 +60,37 @@ func TestClusterColdStart(t *testing.T) {
 	})
 	before := snapshot(ctx, t, l)
 	cp := l.Node("cp-0")
-	reboot := func(localUnlock bool) int64 {
+	rebootWith := func(localUnlock bool) int64 {
 		t.Helper()
 		if err := cp.SetAgentOption("localUnlock", localUnlock); err != nil {
 			t.Fatal(err)
 		}
-		mark := logMark(t, cp)
-		since := time.Now()
-		if err := cp.Reboot(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := l.WaitRestarted(ctx, cp, since); err != nil {
-			t.Fatal(err)
-		}
-		return mark
+		return reboot(ctx, t, l, cp)
 	}
-	mark := reboot(false)
+	mark := rebootWith(false)
 	wantInLog(t, cp, mark, `"msg":"rejoin ticket received"`)
 	notInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
 	if keys, err := cp.Disk().Tokens(ctx, "berth-sealed-key"); err != nil || len(keys) != 0 {
 		t.Errorf("cp-0 with local unlock off keeps %d sealed keys (%v), want none", len(keys), err)
 	}
-	mark = reboot(true)
+	mark = rebootWith(true)
 	wantInLog(t, cp, mark, `"msg":"rejoin ticket received"`)
 	wantInLog(t, cp, mark, `"msg":"disk key sealed to the join policy"`)
 	coldStart(ctx, t, l, before)
+}
+
+// reboot reboots n, waits until it is Ready again, and returns where its agent's log of the new boot begins.
+func reboot(ctx context.Context, t *testing.T, l *Lab, n *Node) int64 {
+	t.Helper()
+	mark := logMark(t, n)
+	since := time.Now()
+	if err := n.Reboot(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.WaitRestarted(ctx, n, since); err != nil {
+		t.Fatal(err)
+	}
+	return mark
 }
 
 // clusterSnapshot is what a power cycle must not change.
@@ -271,15 +270,7 @@ func TestImageRoll(t *testing.T) {
 	rebootInto := func(n *Node, image string) int64 {
 		t.Helper()
 		n.Image = image
-		mark := logMark(t, n)
-		since := time.Now()
-		if err := n.Reboot(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := l.WaitRestarted(ctx, n, since); err != nil {
-			t.Fatal(err)
-		}
-		return mark
+		return reboot(ctx, t, l, n)
 	}
 	mark := rebootInto(cp, b)
 	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
@@ -456,13 +447,6 @@ func TestRecovery(t *testing.T) {
 	waitLog(ctx, t, cp, mark, `"msg":"disk key sealed to the join policy"`)
 	checkDerivedKeyAlone(ctx, t, l, cp)
 
-	mark = logMark(t, cp)
-	since = time.Now()
-	if err := cp.Reboot(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := l.WaitRestarted(ctx, cp, since); err != nil {
-		t.Fatal(err)
-	}
+	mark = reboot(ctx, t, l, cp)
 	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
 }

@@ -3,6 +3,7 @@ package lab
 import (
 	"context"
 	"crypto/rand"
+	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
 	"errors"
@@ -60,7 +61,8 @@ func TestExternalControlPlane(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA})
+	// Kubelet certificates live three minutes, so that the node renews its own within the test.
+	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA, KubeletExpiry: "3m", KubeletBackdate: "30s"})
 	api := kubetest.StartWith(t, kubetest.Options{Address: hostAddr, CA: clusterCA, ControllerManager: true})
 	grantJoinService(ctx, t, api)
 
@@ -152,7 +154,44 @@ func TestExternalControlPlane(t *testing.T) {
 	if _, err := api.Client.CoreV1().ConfigMaps("kube-system").Get(ctx, "berth-disk-"+uuid, metav1.GetOptions{}); err != nil {
 		t.Errorf("the join service's record of the disk's TPM: %v", err)
 	}
+	checkRenewal(ctx, t, l, node, api, signer, cert)
 	t.Logf("node metal-1 Ready; join service log:\n%s", tail(svc.log(t), 15))
+}
+
+// checkRenewal waits until the node's agent has renewed the kubelet's client certificate through the join
+// service (no kubeadm, no CSR signer in the cluster: nothing else would), checks the new one is recorded by
+// CFSSL, and that the kubelet still talks to the API server with it after the first one expired.
+func checkRenewal(ctx context.Context, t *testing.T, l *Lab, node *Node, api *kubetest.APIServer, signer *cfssltest.Server, first *x509.Certificate) {
+	t.Helper()
+	var renewed *x509.Certificate
+	for deadline := first.NotAfter; renewed == nil; time.Sleep(time.Second) {
+		if cert, err := node.KubeletClientCert(); err == nil && cert.SerialNumber.Cmp(first.SerialNumber) != 0 {
+			renewed = cert
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(l.nodeFailure(node, "kubelet certificate renewal", fmt.Errorf("the certificate %s was not renewed before it expired at %v", first.SerialNumber.Text(16), first.NotAfter)))
+		}
+	}
+	if rec, ok := signer.Recorded(t, renewed.SerialNumber); !ok || rec.CommonName != "system:node:metal-1" {
+		t.Errorf("cfssl's database has %+v (found %v) for the renewed serial %s", rec, ok, renewed.SerialNumber.Text(16))
+	}
+	// The kubelet renews its lease every 10 s with its client certificate: a renewal after the first
+	// certificate expired was made with the new one.
+	for deadline := first.NotAfter.Add(time.Minute); ; time.Sleep(2 * time.Second) {
+		lease, err := api.Client.CoordinationV1().Leases("kube-node-lease").Get(ctx, "metal-1", metav1.GetOptions{})
+		if err == nil && lease.Spec.RenewTime != nil && lease.Spec.RenewTime.After(first.NotAfter.Add(5*time.Second)) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(l.nodeFailure(node, "kubelet after its first certificate expired", fmt.Errorf("node lease not renewed after %v: %v", first.NotAfter, err)))
+		}
+	}
+	n, err := api.Client.CoreV1().Nodes().Get(ctx, "metal-1", metav1.GetOptions{})
+	if err != nil || !nodeReady(n) {
+		t.Errorf("node metal-1 after its first kubelet certificate expired: Ready %v (%v)", n != nil && nodeReady(n), err)
+	}
+	t.Logf("kubelet certificate %s renewed as %s (not after %v); the kubelet renewed its lease past the first one's expiry",
+		first.SerialNumber.Text(16), renewed.SerialNumber.Text(16), renewed.NotAfter)
 }
 
 // grantJoinService gives the join service's identity what docs/external-control-plane.md grants: ConfigMaps

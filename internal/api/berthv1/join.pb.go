@@ -81,6 +81,7 @@ type JoinClientMessage struct {
 	//	*JoinClientMessage_Join
 	//	*JoinClientMessage_Rejoin
 	//	*JoinClientMessage_Proof
+	//	*JoinClientMessage_Renew
 	Msg           isJoinClientMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -150,6 +151,15 @@ func (x *JoinClientMessage) GetProof() *ActivationProof {
 	return nil
 }
 
+func (x *JoinClientMessage) GetRenew() *RenewRequest {
+	if x != nil {
+		if x, ok := x.Msg.(*JoinClientMessage_Renew); ok {
+			return x.Renew
+		}
+	}
+	return nil
+}
+
 type isJoinClientMessage_Msg interface {
 	isJoinClientMessage_Msg()
 }
@@ -166,11 +176,17 @@ type JoinClientMessage_Proof struct {
 	Proof *ActivationProof `protobuf:"bytes,3,opt,name=proof,proto3,oneof"`
 }
 
+type JoinClientMessage_Renew struct {
+	Renew *RenewRequest `protobuf:"bytes,4,opt,name=renew,proto3,oneof"`
+}
+
 func (*JoinClientMessage_Join) isJoinClientMessage_Msg() {}
 
 func (*JoinClientMessage_Rejoin) isJoinClientMessage_Msg() {}
 
 func (*JoinClientMessage_Proof) isJoinClientMessage_Msg() {}
+
+func (*JoinClientMessage_Renew) isJoinClientMessage_Msg() {}
 
 type JoinServerMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -179,6 +195,7 @@ type JoinServerMessage struct {
 	//	*JoinServerMessage_Challenge
 	//	*JoinServerMessage_JoinTicket
 	//	*JoinServerMessage_RejoinTicket
+	//	*JoinServerMessage_RenewedCertificate
 	Msg           isJoinServerMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -248,6 +265,15 @@ func (x *JoinServerMessage) GetRejoinTicket() *RejoinTicket {
 	return nil
 }
 
+func (x *JoinServerMessage) GetRenewedCertificate() *RenewedCertificate {
+	if x != nil {
+		if x, ok := x.Msg.(*JoinServerMessage_RenewedCertificate); ok {
+			return x.RenewedCertificate
+		}
+	}
+	return nil
+}
+
 type isJoinServerMessage_Msg interface {
 	isJoinServerMessage_Msg()
 }
@@ -264,11 +290,17 @@ type JoinServerMessage_RejoinTicket struct {
 	RejoinTicket *RejoinTicket `protobuf:"bytes,3,opt,name=rejoin_ticket,json=rejoinTicket,proto3,oneof"`
 }
 
+type JoinServerMessage_RenewedCertificate struct {
+	RenewedCertificate *RenewedCertificate `protobuf:"bytes,4,opt,name=renewed_certificate,json=renewedCertificate,proto3,oneof"`
+}
+
 func (*JoinServerMessage_Challenge) isJoinServerMessage_Msg() {}
 
 func (*JoinServerMessage_JoinTicket) isJoinServerMessage_Msg() {}
 
 func (*JoinServerMessage_RejoinTicket) isJoinServerMessage_Msg() {}
+
+func (*JoinServerMessage_RenewedCertificate) isJoinServerMessage_Msg() {}
 
 type JoinRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -394,6 +426,112 @@ func (x *RejoinRequest) GetDiskUuid() string {
 	return ""
 }
 
+type RenewRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Evidence *Evidence              `protobuf:"bytes,1,opt,name=evidence,proto3" json:"evidence,omitempty"`
+	DiskUuid string                 `protobuf:"bytes,2,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
+	// DER PKCS#10 request for the new kubelet client certificate, on a new key.
+	KubeletCsr    []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewRequest) Reset() {
+	*x = RenewRequest{}
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewRequest) ProtoMessage() {}
+
+func (x *RenewRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewRequest.ProtoReflect.Descriptor instead.
+func (*RenewRequest) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *RenewRequest) GetEvidence() *Evidence {
+	if x != nil {
+		return x.Evidence
+	}
+	return nil
+}
+
+func (x *RenewRequest) GetDiskUuid() string {
+	if x != nil {
+		return x.DiskUuid
+	}
+	return ""
+}
+
+func (x *RenewRequest) GetKubeletCsr() []byte {
+	if x != nil {
+		return x.KubeletCsr
+	}
+	return nil
+}
+
+type RenewedCertificate struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// DER kubelet client certificate issued for the request's CSR.
+	KubeletCertificate []byte `protobuf:"bytes,1,opt,name=kubelet_certificate,json=kubeletCertificate,proto3" json:"kubelet_certificate,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *RenewedCertificate) Reset() {
+	*x = RenewedCertificate{}
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewedCertificate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewedCertificate) ProtoMessage() {}
+
+func (x *RenewedCertificate) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewedCertificate.ProtoReflect.Descriptor instead.
+func (*RenewedCertificate) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *RenewedCertificate) GetKubeletCertificate() []byte {
+	if x != nil {
+		return x.KubeletCertificate
+	}
+	return nil
+}
+
 type JoinTicket struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	NodeName  string                 `protobuf:"bytes,1,opt,name=node_name,json=nodeName,proto3" json:"node_name,omitempty"`
@@ -430,7 +568,7 @@ type JoinTicket struct {
 
 func (x *JoinTicket) Reset() {
 	*x = JoinTicket{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -442,7 +580,7 @@ func (x *JoinTicket) String() string {
 func (*JoinTicket) ProtoMessage() {}
 
 func (x *JoinTicket) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -455,7 +593,7 @@ func (x *JoinTicket) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinTicket.ProtoReflect.Descriptor instead.
 func (*JoinTicket) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{4}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *JoinTicket) GetNodeName() string {
@@ -584,7 +722,7 @@ type KubeletSettings struct {
 
 func (x *KubeletSettings) Reset() {
 	*x = KubeletSettings{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -596,7 +734,7 @@ func (x *KubeletSettings) String() string {
 func (*KubeletSettings) ProtoMessage() {}
 
 func (x *KubeletSettings) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -609,7 +747,7 @@ func (x *KubeletSettings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubeletSettings.ProtoReflect.Descriptor instead.
 func (*KubeletSettings) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{5}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *KubeletSettings) GetClusterDns() []string {
@@ -640,7 +778,7 @@ type ClusterSecrets struct {
 
 func (x *ClusterSecrets) Reset() {
 	*x = ClusterSecrets{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -652,7 +790,7 @@ func (x *ClusterSecrets) String() string {
 func (*ClusterSecrets) ProtoMessage() {}
 
 func (x *ClusterSecrets) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[6]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -665,7 +803,7 @@ func (x *ClusterSecrets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterSecrets.ProtoReflect.Descriptor instead.
 func (*ClusterSecrets) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{6}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ClusterSecrets) GetMasterSecret() []byte {
@@ -709,7 +847,7 @@ type RejoinTicket struct {
 
 func (x *RejoinTicket) Reset() {
 	*x = RejoinTicket{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -721,7 +859,7 @@ func (x *RejoinTicket) String() string {
 func (*RejoinTicket) ProtoMessage() {}
 
 func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[7]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -734,7 +872,7 @@ func (x *RejoinTicket) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RejoinTicket.ProtoReflect.Descriptor instead.
 func (*RejoinTicket) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{7}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RejoinTicket) GetClusterId() string {
@@ -776,7 +914,7 @@ type File struct {
 
 func (x *File) Reset() {
 	*x = File{}
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -788,7 +926,7 @@ func (x *File) String() string {
 func (*File) ProtoMessage() {}
 
 func (x *File) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_join_proto_msgTypes[8]
+	mi := &file_internal_api_berthv1_join_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -801,7 +939,7 @@ func (x *File) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use File.ProtoReflect.Descriptor instead.
 func (*File) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{8}
+	return file_internal_api_berthv1_join_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *File) GetPath() string {
@@ -829,17 +967,19 @@ var File_internal_api_berthv1_join_proto protoreflect.FileDescriptor
 
 const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\n" +
-	"\x1finternal/api/berthv1/join.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\xad\x01\n" +
+	"\x1finternal/api/berthv1/join.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\xdd\x01\n" +
 	"\x11JoinClientMessage\x12+\n" +
 	"\x04join\x18\x01 \x01(\v2\x15.berth.v1.JoinRequestH\x00R\x04join\x121\n" +
 	"\x06rejoin\x18\x02 \x01(\v2\x17.berth.v1.RejoinRequestH\x00R\x06rejoin\x121\n" +
-	"\x05proof\x18\x03 \x01(\v2\x19.berth.v1.ActivationProofH\x00R\x05proofB\x05\n" +
-	"\x03msg\"\xd1\x01\n" +
+	"\x05proof\x18\x03 \x01(\v2\x19.berth.v1.ActivationProofH\x00R\x05proof\x12.\n" +
+	"\x05renew\x18\x04 \x01(\v2\x16.berth.v1.RenewRequestH\x00R\x05renewB\x05\n" +
+	"\x03msg\"\xa2\x02\n" +
 	"\x11JoinServerMessage\x12=\n" +
 	"\tchallenge\x18\x01 \x01(\v2\x1d.berth.v1.ActivationChallengeH\x00R\tchallenge\x127\n" +
 	"\vjoin_ticket\x18\x02 \x01(\v2\x14.berth.v1.JoinTicketH\x00R\n" +
 	"joinTicket\x12=\n" +
-	"\rrejoin_ticket\x18\x03 \x01(\v2\x16.berth.v1.RejoinTicketH\x00R\frejoinTicketB\x05\n" +
+	"\rrejoin_ticket\x18\x03 \x01(\v2\x16.berth.v1.RejoinTicketH\x00R\frejoinTicket\x12O\n" +
+	"\x13renewed_certificate\x18\x04 \x01(\v2\x1c.berth.v1.RenewedCertificateH\x00R\x12renewedCertificateB\x05\n" +
 	"\x03msg\"\x8f\x01\n" +
 	"\vJoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
@@ -849,7 +989,14 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
-	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"\xa6\x06\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"|\n" +
+	"\fRenewRequest\x12.\n" +
+	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x1f\n" +
+	"\vkubelet_csr\x18\x03 \x01(\fR\n" +
+	"kubeletCsr\"E\n" +
+	"\x12RenewedCertificate\x12/\n" +
+	"\x13kubelet_certificate\x18\x01 \x01(\fR\x12kubeletCertificate\"\xa6\x06\n" +
 	"\n" +
 	"JoinTicket\x12\x1b\n" +
 	"\tnode_name\x18\x01 \x01(\tR\bnodeName\x12\x1d\n" +
@@ -894,10 +1041,11 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"JoinMethod\x12\x1b\n" +
 	"\x17JOIN_METHOD_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13JOIN_METHOD_KUBEADM\x10\x01\x12\x17\n" +
-	"\x13JOIN_METHOD_KUBELET\x10\x022\xb1\x01\n" +
+	"\x13JOIN_METHOD_KUBELET\x10\x022\x8a\x02\n" +
 	"\vJoinService\x12O\n" +
 	"\x0fIssueJoinTicket\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01\x12Q\n" +
-	"\x11IssueRejoinTicket\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01B1Z/github.com/berthlabs/berth/internal/api/berthv1b\x06proto3"
+	"\x11IssueRejoinTicket\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01\x12W\n" +
+	"\x17RenewKubeletCertificate\x12\x1b.berth.v1.JoinClientMessage\x1a\x1b.berth.v1.JoinServerMessage(\x010\x01B1Z/github.com/berthlabs/berth/internal/api/berthv1b\x06proto3"
 
 var (
 	file_internal_api_berthv1_join_proto_rawDescOnce sync.Once
@@ -912,44 +1060,51 @@ func file_internal_api_berthv1_join_proto_rawDescGZIP() []byte {
 }
 
 var file_internal_api_berthv1_join_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_internal_api_berthv1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_internal_api_berthv1_join_proto_goTypes = []any{
 	(JoinMethod)(0),             // 0: berth.v1.JoinMethod
 	(*JoinClientMessage)(nil),   // 1: berth.v1.JoinClientMessage
 	(*JoinServerMessage)(nil),   // 2: berth.v1.JoinServerMessage
 	(*JoinRequest)(nil),         // 3: berth.v1.JoinRequest
 	(*RejoinRequest)(nil),       // 4: berth.v1.RejoinRequest
-	(*JoinTicket)(nil),          // 5: berth.v1.JoinTicket
-	(*KubeletSettings)(nil),     // 6: berth.v1.KubeletSettings
-	(*ClusterSecrets)(nil),      // 7: berth.v1.ClusterSecrets
-	(*RejoinTicket)(nil),        // 8: berth.v1.RejoinTicket
-	(*File)(nil),                // 9: berth.v1.File
-	(*ActivationProof)(nil),     // 10: berth.v1.ActivationProof
-	(*ActivationChallenge)(nil), // 11: berth.v1.ActivationChallenge
-	(*Evidence)(nil),            // 12: berth.v1.Evidence
+	(*RenewRequest)(nil),        // 5: berth.v1.RenewRequest
+	(*RenewedCertificate)(nil),  // 6: berth.v1.RenewedCertificate
+	(*JoinTicket)(nil),          // 7: berth.v1.JoinTicket
+	(*KubeletSettings)(nil),     // 8: berth.v1.KubeletSettings
+	(*ClusterSecrets)(nil),      // 9: berth.v1.ClusterSecrets
+	(*RejoinTicket)(nil),        // 10: berth.v1.RejoinTicket
+	(*File)(nil),                // 11: berth.v1.File
+	(*ActivationProof)(nil),     // 12: berth.v1.ActivationProof
+	(*ActivationChallenge)(nil), // 13: berth.v1.ActivationChallenge
+	(*Evidence)(nil),            // 14: berth.v1.Evidence
 }
 var file_internal_api_berthv1_join_proto_depIdxs = []int32{
 	3,  // 0: berth.v1.JoinClientMessage.join:type_name -> berth.v1.JoinRequest
 	4,  // 1: berth.v1.JoinClientMessage.rejoin:type_name -> berth.v1.RejoinRequest
-	10, // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
-	11, // 3: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
-	5,  // 4: berth.v1.JoinServerMessage.join_ticket:type_name -> berth.v1.JoinTicket
-	8,  // 5: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
-	12, // 6: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
-	12, // 7: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
-	9,  // 8: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
-	7,  // 9: berth.v1.JoinTicket.cluster_secrets:type_name -> berth.v1.ClusterSecrets
-	0,  // 10: berth.v1.JoinTicket.join_method:type_name -> berth.v1.JoinMethod
-	6,  // 11: berth.v1.JoinTicket.kubelet_settings:type_name -> berth.v1.KubeletSettings
-	1,  // 12: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
-	1,  // 13: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
-	2,  // 14: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
-	2,  // 15: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
-	14, // [14:16] is the sub-list for method output_type
-	12, // [12:14] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	12, // 2: berth.v1.JoinClientMessage.proof:type_name -> berth.v1.ActivationProof
+	5,  // 3: berth.v1.JoinClientMessage.renew:type_name -> berth.v1.RenewRequest
+	13, // 4: berth.v1.JoinServerMessage.challenge:type_name -> berth.v1.ActivationChallenge
+	7,  // 5: berth.v1.JoinServerMessage.join_ticket:type_name -> berth.v1.JoinTicket
+	10, // 6: berth.v1.JoinServerMessage.rejoin_ticket:type_name -> berth.v1.RejoinTicket
+	6,  // 7: berth.v1.JoinServerMessage.renewed_certificate:type_name -> berth.v1.RenewedCertificate
+	14, // 8: berth.v1.JoinRequest.evidence:type_name -> berth.v1.Evidence
+	14, // 9: berth.v1.RejoinRequest.evidence:type_name -> berth.v1.Evidence
+	14, // 10: berth.v1.RenewRequest.evidence:type_name -> berth.v1.Evidence
+	11, // 11: berth.v1.JoinTicket.control_plane_files:type_name -> berth.v1.File
+	9,  // 12: berth.v1.JoinTicket.cluster_secrets:type_name -> berth.v1.ClusterSecrets
+	0,  // 13: berth.v1.JoinTicket.join_method:type_name -> berth.v1.JoinMethod
+	8,  // 14: berth.v1.JoinTicket.kubelet_settings:type_name -> berth.v1.KubeletSettings
+	1,  // 15: berth.v1.JoinService.IssueJoinTicket:input_type -> berth.v1.JoinClientMessage
+	1,  // 16: berth.v1.JoinService.IssueRejoinTicket:input_type -> berth.v1.JoinClientMessage
+	1,  // 17: berth.v1.JoinService.RenewKubeletCertificate:input_type -> berth.v1.JoinClientMessage
+	2,  // 18: berth.v1.JoinService.IssueJoinTicket:output_type -> berth.v1.JoinServerMessage
+	2,  // 19: berth.v1.JoinService.IssueRejoinTicket:output_type -> berth.v1.JoinServerMessage
+	2,  // 20: berth.v1.JoinService.RenewKubeletCertificate:output_type -> berth.v1.JoinServerMessage
+	18, // [18:21] is the sub-list for method output_type
+	15, // [15:18] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_internal_api_berthv1_join_proto_init() }
@@ -962,11 +1117,13 @@ func file_internal_api_berthv1_join_proto_init() {
 		(*JoinClientMessage_Join)(nil),
 		(*JoinClientMessage_Rejoin)(nil),
 		(*JoinClientMessage_Proof)(nil),
+		(*JoinClientMessage_Renew)(nil),
 	}
 	file_internal_api_berthv1_join_proto_msgTypes[1].OneofWrappers = []any{
 		(*JoinServerMessage_Challenge)(nil),
 		(*JoinServerMessage_JoinTicket)(nil),
 		(*JoinServerMessage_RejoinTicket)(nil),
+		(*JoinServerMessage_RenewedCertificate)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -974,7 +1131,7 @@ func file_internal_api_berthv1_join_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_api_berthv1_join_proto_rawDesc), len(file_internal_api_berthv1_join_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

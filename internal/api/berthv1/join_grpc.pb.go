@@ -19,8 +19,9 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	JoinService_IssueJoinTicket_FullMethodName   = "/berth.v1.JoinService/IssueJoinTicket"
-	JoinService_IssueRejoinTicket_FullMethodName = "/berth.v1.JoinService/IssueRejoinTicket"
+	JoinService_IssueJoinTicket_FullMethodName         = "/berth.v1.JoinService/IssueJoinTicket"
+	JoinService_IssueRejoinTicket_FullMethodName       = "/berth.v1.JoinService/IssueRejoinTicket"
+	JoinService_RenewKubeletCertificate_FullMethodName = "/berth.v1.JoinService/RenewKubeletCertificate"
 )
 
 // JoinServiceClient is the client API for JoinService service.
@@ -36,6 +37,10 @@ const (
 type JoinServiceClient interface {
 	IssueJoinTicket(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage], error)
 	IssueRejoinTicket(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage], error)
+	// RenewKubeletCertificate signs a new kubelet client certificate for a node that joined with a
+	// JOIN_METHOD_KUBELET ticket, whose kubelet has no CSR signer in its cluster to rotate through: the same
+	// attestation, disk-owner and CSR checks as a rejoin and a join, and the same signer.
+	RenewKubeletCertificate(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage], error)
 }
 
 type joinServiceClient struct {
@@ -72,6 +77,19 @@ func (c *joinServiceClient) IssueRejoinTicket(ctx context.Context, opts ...grpc.
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type JoinService_IssueRejoinTicketClient = grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage]
 
+func (c *joinServiceClient) RenewKubeletCertificate(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &JoinService_ServiceDesc.Streams[2], JoinService_RenewKubeletCertificate_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[JoinClientMessage, JoinServerMessage]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type JoinService_RenewKubeletCertificateClient = grpc.BidiStreamingClient[JoinClientMessage, JoinServerMessage]
+
 // JoinServiceServer is the server API for JoinService service.
 // All implementations must embed UnimplementedJoinServiceServer
 // for forward compatibility.
@@ -85,6 +103,10 @@ type JoinService_IssueRejoinTicketClient = grpc.BidiStreamingClient[JoinClientMe
 type JoinServiceServer interface {
 	IssueJoinTicket(grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]) error
 	IssueRejoinTicket(grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]) error
+	// RenewKubeletCertificate signs a new kubelet client certificate for a node that joined with a
+	// JOIN_METHOD_KUBELET ticket, whose kubelet has no CSR signer in its cluster to rotate through: the same
+	// attestation, disk-owner and CSR checks as a rejoin and a join, and the same signer.
+	RenewKubeletCertificate(grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]) error
 	mustEmbedUnimplementedJoinServiceServer()
 }
 
@@ -100,6 +122,9 @@ func (UnimplementedJoinServiceServer) IssueJoinTicket(grpc.BidiStreamingServer[J
 }
 func (UnimplementedJoinServiceServer) IssueRejoinTicket(grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]) error {
 	return status.Error(codes.Unimplemented, "method IssueRejoinTicket not implemented")
+}
+func (UnimplementedJoinServiceServer) RenewKubeletCertificate(grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]) error {
+	return status.Error(codes.Unimplemented, "method RenewKubeletCertificate not implemented")
 }
 func (UnimplementedJoinServiceServer) mustEmbedUnimplementedJoinServiceServer() {}
 func (UnimplementedJoinServiceServer) testEmbeddedByValue()                     {}
@@ -136,6 +161,13 @@ func _JoinService_IssueRejoinTicket_Handler(srv interface{}, stream grpc.ServerS
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type JoinService_IssueRejoinTicketServer = grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]
 
+func _JoinService_RenewKubeletCertificate_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(JoinServiceServer).RenewKubeletCertificate(&grpc.GenericServerStream[JoinClientMessage, JoinServerMessage]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type JoinService_RenewKubeletCertificateServer = grpc.BidiStreamingServer[JoinClientMessage, JoinServerMessage]
+
 // JoinService_ServiceDesc is the grpc.ServiceDesc for JoinService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -153,6 +185,12 @@ var JoinService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "IssueRejoinTicket",
 			Handler:       _JoinService_IssueRejoinTicket_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "RenewKubeletCertificate",
+			Handler:       _JoinService_RenewKubeletCertificate_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

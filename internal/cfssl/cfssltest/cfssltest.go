@@ -7,6 +7,7 @@
 package cfssltest
 
 import (
+	"cmp"
 	"crypto/rand"
 	"crypto/x509"
 	"encoding/hex"
@@ -33,7 +34,7 @@ import (
 // Server is a running cfssl serve on 127.0.0.1.
 type Server struct {
 	URL        string            // http://127.0.0.1:<port>
-	Profile    string            // "kubelet": client auth, 24h
+	Profile    string            // "kubelet": client auth, 24h unless Options say otherwise
 	AuthKey    []byte            // the kubelet profile's key
 	AuthKeyHex string            // the same key as cfssl's config and an operator write it
 	CA         *x509.Certificate // the CA it signs with
@@ -52,6 +53,9 @@ type Options struct {
 	// CA, key included, is the CA cfssl signs with instead of a fresh one: a test's cluster CA, whose API
 	// server accepts the kubelet certificates cfssl signs.
 	CA *pki.CA
+	// KubeletExpiry and KubeletBackdate are the kubelet profile's certificate lifetime and how far before
+	// the signing its certificates start, in cfssl's duration syntax; "24h" and cfssl's default (5m) if empty.
+	KubeletExpiry, KubeletBackdate string
 }
 
 // unauthenticatedEndpoints are the cfssl serve endpoints that sign, revoke or write the database without
@@ -99,14 +103,14 @@ func StartWith(t testing.TB, o Options) *Server {
   "signing": {
     "default": {"expiry": "1h", "usages": ["digital signature"], "auth_key": "default"},
     "profiles": {
-      %q: {"expiry": "24h", "usages": ["digital signature", "key encipherment", "client auth"], "auth_key": "kubelet"}
+      %q: {"expiry": %q, "backdate": %q, "usages": ["digital signature", "key encipherment", "client auth"], "auth_key": "kubelet"}
     }
   },
   "auth_keys": {
     "default": {"type": "standard", "key": %q},
     "kubelet": {"type": "standard", "key": %q}
   }
-}`, s.Profile, randomKeyHex(t), keyHex)
+}`, s.Profile, cmp.Or(o.KubeletExpiry, "24h"), o.KubeletBackdate, randomKeyHex(t), keyHex)
 	writeFile(t, filepath.Join(dir, "config.json"), []byte(config))
 
 	// cfssl takes a port, not a listener: reserve a free one and release it just before.

@@ -253,17 +253,24 @@ func (a *Agent) Boot(ctx context.Context) error {
 			return err
 		}
 	}
+	// Work that goes on while the node runs keeps the agent up: the seal's refresh, the kubelet's renewal.
+	duties := 0
 	if unlock != nil {
 		a.sealAfterBoot(ctx, log, unlock, self.Instance.Role, unlockPolicy)
 		if self.Instance.Role != metadata.RoleControlPlane {
 			go a.refreshSeal(ctx, log, jc, unlock, prepared.UUID)
+			duties++
 		}
+	}
+	if state, err := nodestate.Read(a.cfg.Paths.State); err == nil && state.KubeletRenewal {
+		go a.renewKubeletCertificate(ctx, log, jc, prepared.UUID)
+		duties++
 	}
 	switch {
 	case self.Instance.Role == metadata.RoleControlPlane:
 		err = a.ServeJoinService(ctx)
-	case a.cfg.Kubelet.Run:
-		// The agent is the kubelet's supervisor: it stays until stopped.
+	case a.cfg.Kubelet.Run || duties > 0:
+		// The agent is the kubelet's supervisor, or has work while the node runs: it stays until stopped.
 		<-ctx.Done()
 		err = ctx.Err()
 	}
@@ -322,19 +329,29 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	if err != nil {
 		return nil, nil, err
 	}
-	cert, err := initserver.ServerCredentials()
-	if err != nil {
-		return nil, nil, err
-	}
-	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterInitServiceServer(gs, srv) }, 30*time.Second)
 	if err != nil {
 		return nil, nil, fmt.Errorf("init server: %w", err)
 	}
+	log.Info("init server listening", "address", a.cfg.InitListen)
+	return srv, stop, nil
+}
+
+// serveOnInitPort serves what register registers on the init port, with a certificate no one pins (the
+// clients authenticate the node by attestation), and returns how to stop it, giving running calls grace.
+func (a *Agent) serveOnInitPort(register func(*grpc.Server), grace time.Duration) (stop func(), err error) {
+	cert, err := initserver.ServerCredentials()
+	if err != nil {
+		return nil, err
+	}
+	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	if err != nil {
+		return nil, err
+	}
 	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
-	berthv1.RegisterInitServiceServer(gs, srv)
+	register(gs)
 	go gs.Serve(lis)
-	log.Info("init server listening", "address", lis.Addr().String())
-	return srv, func() { stopGracefully(gs, 30*time.Second) }, nil
+	return func() { stopGracefully(gs, grace) }, nil
 }
 
 // clusterRecorder publishes the cluster record right after kubeadm init, and records this node's TPM as its

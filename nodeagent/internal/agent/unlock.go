@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -16,8 +15,6 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
@@ -98,20 +95,13 @@ func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk str
 	if err != nil {
 		return nil, nil, err
 	}
-	cert, err := initserver.ServerCredentials()
-	if err != nil {
-		return nil, nil, err
-	}
-	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterRecoveryServiceServer(gs, srv) }, 10*time.Second)
 	if err != nil {
 		return nil, nil, fmt.Errorf("recovery server: %w", err)
 	}
-	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
-	berthv1.RegisterRecoveryServiceServer(gs, srv)
-	go gs.Serve(lis)
-	log.Info("recovery server listening: an operator can recover this node with berth-agent recover", "address", lis.Addr().String())
+	log.Info("recovery server listening: an operator can recover this node with berth-agent recover", "address", a.cfg.InitListen)
 	var once sync.Once
-	return srv, func() { once.Do(func() { stopGracefully(gs, 10*time.Second) }) }, nil
+	return srv, func() { once.Do(stop) }, nil
 }
 
 // sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else what the join

@@ -8,13 +8,16 @@ package joinclient
 
 import (
 	"context"
+	"crypto/ecdsa"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -28,6 +31,7 @@ import (
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -228,7 +232,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		log.Info("kubelet credentials and configuration written; the kubelet registers the node")
 	}
 	state := &nodestate.State{ClusterID: ticket.ClusterId, NodeName: ticket.NodeName, Role: string(self.Instance.Role),
-		Via: nodestate.OwnerJoin, Since: c.cfg.Clock().UTC()}
+		Via: nodestate.OwnerJoin, Since: c.cfg.Clock().UTC(), KubeletRenewal: method == berthv1.JoinMethod_JOIN_METHOD_KUBELET}
 	if err := nodestate.Write(c.cfg.Paths.State, state); err != nil {
 		return nil, err
 	}
@@ -257,6 +261,68 @@ func (c *Client) Rejoin(ctx context.Context, diskUUID string) (*berthv1.RejoinTi
 	ticket := msg.GetRejoinTicket()
 	log.Info("rejoin ticket received", "cluster", ticket.ClusterId)
 	return ticket, nil
+}
+
+// RenewKubeletCertificate has the join service sign a new client certificate for the kubelet, on a new key,
+// and puts both in the file the kubelet's kubeconfig names, which client-go reads again when it changes, so
+// the kubelet takes the new certificate without a restart. It returns the new certificate.
+func (c *Client) RenewKubeletCertificate(ctx context.Context, diskUUID string) (*x509.Certificate, error) {
+	ctx, cancel := c.start(ctx)
+	defer cancel()
+	self, err := c.self(ctx)
+	if err != nil {
+		return nil, err
+	}
+	log := c.cfg.Logger.With("node", self.Instance.Name, "role", string(self.Instance.Role))
+	key, csr, err := kubeletCSR(self.Instance)
+	if err != nil {
+		return nil, err
+	}
+	msg, err := c.request(ctx, log, self, "kubelet certificate", berthv1.JoinServiceClient.RenewKubeletCertificate,
+		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
+			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Renew{Renew: &berthv1.RenewRequest{
+				Evidence: ev, DiskUuid: diskUUID, KubeletCsr: csr,
+			}}}
+		}, func(m *berthv1.JoinServerMessage) bool { return m.GetRenewedCertificate() != nil })
+	if err != nil {
+		return nil, err
+	}
+	cert, err := x509.ParseCertificate(msg.GetRenewedCertificate().KubeletCertificate)
+	if err != nil {
+		return nil, fmt.Errorf("renewed kubelet certificate: %w", err)
+	}
+	if err := checkRenewed(c.cfg.Paths, cert, key); err != nil {
+		return nil, err
+	}
+	keyPEM, err := pki.EncodeKeyPEM(key)
+	if err != nil {
+		return nil, err
+	}
+	if err := nodestate.WriteFile(KubeletCertPath(c.cfg.Paths), append(pki.EncodeCertPEM(cert), keyPEM...), 0o600); err != nil {
+		return nil, fmt.Errorf("writing the renewed kubelet certificate: %w", err)
+	}
+	log.Info("kubelet certificate renewed", "serial", cert.SerialNumber.Text(16), "not_after", cert.NotAfter.UTC())
+	return cert, nil
+}
+
+// checkRenewed checks a renewed certificate as a ticket's: for this node's new key, and signed by the CA
+// the kubelet already trusts (the one its join wrote).
+func checkRenewed(p nodestate.Paths, cert *x509.Certificate, key *ecdsa.PrivateKey) error {
+	caPEM, err := os.ReadFile(filepath.Join(p.PKIDir(), "ca.crt"))
+	if err != nil {
+		return fmt.Errorf("the cluster CA the join wrote: %w", err)
+	}
+	ca, err := pki.ParseCertPEM(caPEM)
+	if err != nil {
+		return fmt.Errorf("the cluster CA the join wrote: %w", err)
+	}
+	if err := cert.CheckSignatureFrom(ca); err != nil {
+		return fmt.Errorf("the renewed kubelet certificate is not signed by the cluster CA: %w", err)
+	}
+	if !key.PublicKey.Equal(cert.PublicKey) {
+		return errors.New("the renewed kubelet certificate is not for the key this node sent in its CSR")
+	}
+	return nil
 }
 
 func (c *Client) self(ctx context.Context) (*metadata.Self, error) {

@@ -241,14 +241,8 @@ func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServe
 	if err != nil {
 		return err
 	}
-	owner, err := s.cfg.Disks.Owner(ctx, ex.diskUUID)
-	switch {
-	case errors.Is(err, ErrDiskUnknown):
-		return s.refuse(ex.log, codes.FailedPrecondition, "rejoin refused", err)
-	case err != nil:
-		return s.fail(ex.log, "looking up disk owner", err)
-	case owner != ex.ek:
-		return s.refuse(ex.log, codes.PermissionDenied, "rejoin refused", ErrDiskOwnedByOther)
+	if err := s.checkOwner(ctx, ex, "rejoin refused"); err != nil {
+		return err
 	}
 	diskKey, measurement, err := s.nodeKeys(ex.disk)
 	if err != nil {
@@ -266,7 +260,63 @@ func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServe
 	return nil
 }
 
-// attest runs the part both calls share: read the request, find the instance, verify the evidence for
+// RenewKubeletCertificate signs a new kubelet client certificate for a node that joined with a kubelet-method
+// ticket, after the checks of a rejoin (its TPM owns its disk) and of a join (the CSR names the instance).
+func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCertificateServer) error {
+	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
+	defer cancel()
+	var csr *x509.CertificateRequest
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+		req := m.GetRenew()
+		if req == nil {
+			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a renewal request")
+		}
+		var err error
+		if csr, err = parseCSR(req.KubeletCsr); err != nil {
+			return nil, "", "", status.Error(codes.InvalidArgument, err.Error())
+		}
+		return req.Evidence, req.DiskUuid, "", nil
+	})
+	if err != nil {
+		return err
+	}
+	if s.cfg.Method != berthv1.JoinMethod_JOIN_METHOD_KUBELET {
+		return s.refuse(ex.log, codes.FailedPrecondition, "renewal refused",
+			errors.New("this cluster's kubelets rotate their certificates through the API server"))
+	}
+	if err := s.checkOwner(ctx, ex, "renewal refused"); err != nil {
+		return err
+	}
+	if err := checkCSR(csr, ex.instance); err != nil {
+		return s.refuse(ex.log, codes.PermissionDenied, "kubelet CSR refused", err)
+	}
+	cert, err := s.signKubelet(ctx, ex, csr)
+	if err != nil {
+		return s.fail(ex.log, "renewing kubelet certificate", err)
+	}
+	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_RenewedCertificate{
+		RenewedCertificate: &berthv1.RenewedCertificate{KubeletCertificate: cert.Raw}}}); err != nil {
+		return err
+	}
+	ex.log.Info("kubelet certificate renewed", "kubelet_cert_serial", cert.SerialNumber.Text(16), "not_after", cert.NotAfter.UTC())
+	return nil
+}
+
+// checkOwner refuses, with summary, a node whose TPM is not the one that first received its disk's key.
+func (s *Server) checkOwner(ctx context.Context, ex *exchange, summary string) error {
+	owner, err := s.cfg.Disks.Owner(ctx, ex.diskUUID)
+	switch {
+	case errors.Is(err, ErrDiskUnknown):
+		return s.refuse(ex.log, codes.FailedPrecondition, summary, err)
+	case err != nil:
+		return s.fail(ex.log, "looking up disk owner", err)
+	case owner != ex.ek:
+		return s.refuse(ex.log, codes.PermissionDenied, summary, ErrDiskOwnedByOther)
+	}
+	return nil
+}
+
+// attest runs the part all calls share: read the request, find the instance, verify the evidence for
 // this connection, challenge the attestation key, and check the policy for the instance's role.
 func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (ev *berthv1.Evidence, diskUUID, role string, err error)) (*exchange, error) {
 	log := s.cfg.Logger
@@ -337,15 +387,9 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 	if err != nil {
 		return nil, err
 	}
-	cert, err := s.cfg.KubeletSigner.SignKubelet(ctx, csr, ex.instance.Name, ipsOf(ex.instance.Addresses))
+	cert, err := s.signKubelet(ctx, ex, csr)
 	if err != nil {
-		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
-	}
-	// Nodes trust the API server and present this certificate by the one CA the ticket names; a remote
-	// signer with another CA would fail every node after it took its ticket.
-	if err := cert.CheckSignatureFrom(s.cfg.KubernetesCA.Cert); err != nil {
-		return nil, fmt.Errorf("the kubelet certificate is not signed by the Kubernetes CA %q (its issuer is %q): the signer must sign with the cluster CA: %w",
-			s.cfg.KubernetesCA.Cert.Subject.String(), cert.Issuer.String(), err)
+		return nil, err
 	}
 	var files []*berthv1.File
 	var secrets *berthv1.ClusterSecrets
@@ -394,6 +438,21 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 	}
 	ticket.BootstrapToken, ticket.BootstrapTokenExpiresUnix, ticket.DiscoveryCaCertHashes = token, expires.Unix(), s.caPins
 	return ticket, nil
+}
+
+// signKubelet has the signer sign a checked CSR for the exchange's node.
+func (s *Server) signKubelet(ctx context.Context, ex *exchange, csr *x509.CertificateRequest) (*x509.Certificate, error) {
+	cert, err := s.cfg.KubeletSigner.SignKubelet(ctx, csr, ex.instance.Name, ipsOf(ex.instance.Addresses))
+	if err != nil {
+		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
+	}
+	// Nodes trust the API server and present this certificate by the one CA the ticket names; a remote
+	// signer with another CA would fail every node after it took its ticket.
+	if err := cert.CheckSignatureFrom(s.cfg.KubernetesCA.Cert); err != nil {
+		return nil, fmt.Errorf("the kubelet certificate is not signed by the Kubernetes CA %q (its issuer is %q): the signer must sign with the cluster CA: %w",
+			s.cfg.KubernetesCA.Cert.Subject.String(), cert.Issuer.String(), err)
+	}
+	return cert, nil
 }
 
 // unlockPolicy is the policy cut to what a node of role may seal its disk key to.

@@ -63,6 +63,9 @@ type State struct {
 	Role      string    `json:"role"`
 	Via       string    `json:"via"` // OwnerInit or OwnerJoin
 	Since     time.Time `json:"since"`
+	// KubeletRenewal is set when the node's kubelet cannot rotate its client certificate through the API
+	// server (it joined without kubeadm): the agent renews it through the join service.
+	KubeletRenewal bool `json:"kubeletRenewal,omitempty"`
 }
 
 const stateFile = "node.json"

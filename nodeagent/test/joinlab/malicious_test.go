@@ -38,7 +38,9 @@ type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServ
 type attack struct {
 	node   *Node
 	rejoin bool
-	disk   string
+	// renew asks for a renewed kubelet certificate instead of a ticket.
+	renew bool
+	disk  string
 	role   string
 	csr    []byte
 	// evidence replaces the honest evidence made for the stream's nonce.
@@ -52,8 +54,8 @@ type attack struct {
 	unboundedSend bool
 }
 
-// openStream dials the lab's join service from n's address and opens a join or rejoin stream.
-func openStream(t *testing.T, ctx context.Context, lab *Lab, n *Node, rejoin bool, tlsCfg *tls.Config, opts ...grpc.CallOption) (bidi, error) {
+// openStream dials the lab's join service from n's address and opens a stream of the call.
+func openStream(t *testing.T, ctx context.Context, lab *Lab, n *Node, call int, tlsCfg *tls.Config, opts ...grpc.CallOption) (bidi, error) {
 	t.Helper()
 	if tlsCfg == nil {
 		var err error
@@ -67,11 +69,21 @@ func openStream(t *testing.T, ctx context.Context, lab *Lab, n *Node, rejoin boo
 	}
 	t.Cleanup(func() { conn.Close() })
 	client := berthv1.NewJoinServiceClient(conn)
-	if rejoin {
+	switch call {
+	case callRejoin:
 		return client.IssueRejoinTicket(ctx, opts...)
+	case callRenew:
+		return client.RenewKubeletCertificate(ctx, opts...)
 	}
 	return client.IssueJoinTicket(ctx, opts...)
 }
+
+// The join service's calls.
+const (
+	callJoin = iota
+	callRejoin
+	callRenew
+)
 
 // evidenceOn makes honest evidence of n for a stream.
 func evidenceOn(t *testing.T, n *Node, st bidi) *berthv1.Evidence {
@@ -96,7 +108,14 @@ func (a attack) run(t *testing.T, lab *Lab) (*berthv1.JoinServerMessage, error) 
 	if a.unboundedSend {
 		opts = append(opts, grpc.MaxCallSendMsgSize(4*rpc.MaxMessageSize))
 	}
-	st, err := openStream(t, ctx, lab, a.node, a.rejoin, a.tls, opts...)
+	call := callJoin
+	switch {
+	case a.rejoin:
+		call = callRejoin
+	case a.renew:
+		call = callRenew
+	}
+	st, err := openStream(t, ctx, lab, a.node, call, a.tls, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -123,6 +142,10 @@ func (a attack) run(t *testing.T, lab *Lab) (*berthv1.JoinServerMessage, error) 
 			csr := a.csr
 			if csr == nil {
 				csr = honestCSR(t, a.node)
+			}
+			if a.renew {
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Renew{Renew: &berthv1.RenewRequest{
+					Evidence: ev, DiskUuid: disk, KubeletCsr: csr}}}
 			}
 			role := a.role
 			if role == "" {
@@ -248,7 +271,7 @@ func TestMaliciousJoin(t *testing.T) {
 				// The evidence is made for a connection that is open at the same time, as a relaying party would.
 				ctx, cancel := context.WithCancel(context.Background())
 				t.Cleanup(cancel)
-				st, err := openStream(t, ctx, lab, worker, false, nil)
+				st, err := openStream(t, ctx, lab, worker, callJoin, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -257,7 +280,7 @@ func TestMaliciousJoin(t *testing.T) {
 		{name: "stale quote replayed from a closed connection", code: codes.Unauthenticated, message: "nonce",
 			attack: attack{node: worker, evidence: func(t *testing.T, _ []byte) *berthv1.Evidence {
 				ctx, cancel := context.WithCancel(context.Background())
-				st, err := openStream(t, ctx, lab, worker, false, nil)
+				st, err := openStream(t, ctx, lab, worker, callJoin, nil)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -136,46 +136,19 @@ func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
 	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	// The agent stays up as the kubelet's supervisor (no kubelet ever starts: kubeadm writes nothing), so
-	// that it refreshes its policy every second.
+	// A sealing worker's agent stays up and asks for its policy every second here.
 	config, err := h.writeAgentConfig(dir, addr, h.EKCA.NewTPM(t).Device(), img, kubeadm, map[string]any{
-		"localUnlock": true, "localUnlockRefresh": "1s", "kubelet": map[string]any{"run": true, "binary": "/bin/false"},
+		"localUnlock": true, "localUnlockRefresh": "1s",
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	boot := func(env []string, until string) (string, error) {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		defer cancel()
-		var out clustertest.SafeBuffer
-		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
-		cmd.Env = append(os.Environ(), env...)
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }()
-		for {
-			select {
-			case err := <-exited:
-				return out.String(), err
-			case <-time.After(100 * time.Millisecond):
-				if until != "" && strings.Contains(out.String(), until) {
-					cmd.Process.Kill()
-					<-exited
-					return out.String(), nil
-				}
-			}
-		}
-	}
-	if out, err := boot(nil, "disk key sealed to the join policy"); err != nil {
+	if out, err := h.runAgent(t, config, nil, "disk key sealed to the join policy"); err != nil {
 		t.Fatalf("first boot: %v\n%s", err, out)
 	}
 	h.setPolicy(t, "swtpm-zero", "next")
 	defer h.setPolicy(t, "swtpm-zero")
-	out, err := boot([]string{failpoint.EnvVar + "=" + point}, "")
+	out, err := h.runAgent(t, config, []string{failpoint.EnvVar + "=" + point}, "")
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("the agent was to die by SIGKILL at %s while it resealed; it ended with %v:\n%s", point, err, out)
@@ -183,13 +156,42 @@ func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
 	if !strings.Contains(out, "state disk unlocked from the TPM") {
 		t.Fatalf("the second boot did not unlock from the TPM:\n%s", out)
 	}
-	if out, err = boot(nil, "state disk unlocked from the TPM"); err != nil {
+	if out, err = h.runAgent(t, config, nil, "state disk unlocked from the TPM"); err != nil {
 		t.Fatalf("booting after the crash at %s: %v\n%s", point, err, out)
 	}
 	vol := luks.New(img, nil)
 	h.checkDerivedKeyAlone(t, vol)
 	if tokens, err := vol.Tokens(context.Background(), statedisk.SealedTokenType); err != nil || len(tokens) != 1 {
 		t.Errorf("sealed keys after the boot that followed the crash at %s: %d (%v), want the newest alone", point, len(tokens), err)
+	}
+}
+
+// runAgent runs berth-agent boot with config and env until it exits or, if until is set, until its output
+// holds until, when it is killed. It returns the agent's output and how it ended (nil when killed).
+func (h *Host) runAgent(t *testing.T, config string, env []string, until string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out clustertest.SafeBuffer
+	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	for {
+		select {
+		case err := <-exited:
+			return out.String(), err
+		case <-time.After(100 * time.Millisecond):
+			if until != "" && strings.Contains(out.String(), until) {
+				cmd.Process.Kill()
+				<-exited
+				return out.String(), nil
+			}
+		}
 	}
 }
 
@@ -366,33 +368,29 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 		t.Fatal(err)
 	}
 
-	run := func(env []string, kubeadmScript string) (error, string) {
-		if err := os.WriteFile(kubeadm, []byte(kubeadmScript), 0o700); err != nil {
+	writeKubeadm := func(script string) {
+		if err := os.WriteFile(kubeadm, []byte(script), 0o700); err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		defer cancel()
-		var out clustertest.SafeBuffer
-		cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
-		cmd.Env = append(os.Environ(), env...)
-		cmd.Stdout, cmd.Stderr = &out, &out
-		return cmd.Run(), out.String()
 	}
 	env, script := []string{failpoint.EnvVar + "=" + point}, "#!/bin/sh\nexit 0\n"
 	if point == "kubeadm" {
 		env, script = nil, crashKubeadm
 	}
-	err, out := run(env, script)
+	writeKubeadm(script)
+	out, err := h.runAgent(t, config, env, "")
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("the agent was to die by SIGKILL at %s; it ended with %v:\n%s", point, err, out)
 	}
-	err, out = run(nil, "#!/bin/sh\nexit 0\n")
-	if err != nil {
-		t.Fatalf("booting again after the crash at %s: %v\n%s", point, err, out)
+	writeKubeadm("#!/bin/sh\nexit 0\n")
+	// A sealing worker's agent stays up to refresh its seal: it is stopped once it has unlocked.
+	until := ""
+	if sealing {
+		until = "state disk unlocked from the TPM"
 	}
-	if sealing && !strings.Contains(out, "state disk unlocked from the TPM") {
-		t.Errorf("after the crash at %s the agent did not unlock from its TPM:\n%s", point, out)
+	if out, err := h.runAgent(t, config, nil, until); err != nil {
+		t.Fatalf("booting again after the crash at %s: %v\n%s", point, err, out)
 	}
 
 	h.checkDerivedKeyAlone(t, luks.New(img, nil))
