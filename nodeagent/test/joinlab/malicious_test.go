@@ -41,8 +41,8 @@ type attack struct {
 	// renew asks for a renewed kubelet certificate instead of a ticket.
 	renew bool
 	disk  string
-	role   string
-	csr    []byte
+	role  string
+	csr   []byte
 	// evidence replaces the honest evidence made for the stream's nonce.
 	evidence func(t *testing.T, nonce []byte) *berthv1.Evidence
 	// first replaces the whole first message.
