@@ -138,7 +138,7 @@ func InitConfig(p InitParams) ([]byte, error) {
 		return nil, err
 	}
 	if p.ControlPlaneEndpoint != "" {
-		if err := validateHostPort(p.ControlPlaneEndpoint); err != nil {
+		if err := ValidateEndpoint(p.ControlPlaneEndpoint); err != nil {
 			return nil, fmt.Errorf("control-plane endpoint: %w", err)
 		}
 	}
@@ -254,7 +254,7 @@ func JoinConfig(p JoinParams) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := validateHostPort(p.APIServerEndpoint); err != nil {
+	if err := ValidateEndpoint(p.APIServerEndpoint); err != nil {
 		return nil, fmt.Errorf("API server endpoint: %w", err)
 	}
 	if !tokenPattern.MatchString(p.Token) {
@@ -404,7 +404,9 @@ func bindPort(p int32) (int32, error) {
 	return p, nil
 }
 
-func validateHostPort(endpoint string) error {
+// ValidateEndpoint accepts host:port with a port of 1 to 65535 and a host that is an IP address or a DNS
+// name, the API server endpoints kubeadm and a kubeconfig take.
+func ValidateEndpoint(endpoint string) error {
 	host, port, err := net.SplitHostPort(endpoint)
 	if err != nil {
 		return fmt.Errorf("%q is not host:port: %w", endpoint, err)

@@ -27,6 +27,11 @@ import (
 // control-plane files (a few tens of KiB) or init progress; 256 KiB leaves room without inviting abuse.
 const MaxMessageSize = 256 << 10
 
+// MaxHeaderListSize bounds a request's headers. Berth's clients send a few hundred bytes (method, content
+// type, deadline, user agent); gRPC's default of 16 MiB would let a handful of unauthenticated streams
+// hold hundreds of MiB of the server's memory.
+const MaxHeaderListSize = 16 << 10
+
 // ServerOptions are the options of every Berth gRPC server: TLS 1.3 with cert, bounded messages,
 // a handshake timeout, few streams per connection, and idle connections closed soon: nodes open one
 // connection per exchange, so an idle one only holds a slot of a LimitListener.
@@ -39,6 +44,7 @@ func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 		grpc.Creds(credentials.NewTLS(cfg)),
 		grpc.MaxRecvMsgSize(MaxMessageSize),
 		grpc.MaxSendMsgSize(MaxMessageSize),
+		grpc.MaxHeaderListSize(MaxHeaderListSize),
 		grpc.ConnectionTimeout(10 * time.Second),
 		grpc.MaxConcurrentStreams(8),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 15 * time.Second, MaxConnectionAge: 10 * time.Minute}),

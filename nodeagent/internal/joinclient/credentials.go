@@ -70,10 +70,23 @@ func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket
 	return joinConfigPath, nil
 }
 
-// checkTicket checks what the node will trust in a ticket: a kubelet certificate that the ticket's CA
-// signed for this node's own key, control-plane files that stay in the certificates directory, and an
-// instance record with an address to join from. It returns the parsed CA and kubelet certificates.
+// checkTicket checks what the node will trust in a ticket: that it is for this node (its name; control-plane
+// material only for a control-plane node, since a worker must never hold the CA keys or the cluster's
+// secrets, whatever a service sends it), an API server endpoint that is host:port, a kubelet certificate
+// that the ticket's CA signed for this node's own key, control-plane files that stay in the certificates
+// directory, and an instance record with an address to join from. It returns the parsed CA and kubelet
+// certificates.
 func checkTicket(inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (caCert, cert *x509.Certificate, err error) {
+	if t.NodeName != inst.Name {
+		return nil, nil, fmt.Errorf("the ticket is for node %q, this node is %q", t.NodeName, inst.Name)
+	}
+	if inst.Role != metadata.RoleControlPlane && (len(t.ControlPlaneFiles) > 0 || t.ClusterSecrets != nil) {
+		return nil, nil, fmt.Errorf("the ticket carries control-plane material (%d files, cluster secrets: %v) for a %s node: refusing it",
+			len(t.ControlPlaneFiles), t.ClusterSecrets != nil, inst.Role)
+	}
+	if err := kubeadm.ValidateEndpoint(t.ApiServerEndpoint); err != nil {
+		return nil, nil, fmt.Errorf("ticket's API server endpoint: %w", err)
+	}
 	if caCert, err = x509.ParseCertificate(t.KubernetesCaCertificate); err != nil {
 		return nil, nil, fmt.Errorf("ticket's Kubernetes CA: %w", err)
 	}

@@ -251,12 +251,13 @@ func TestWriteCredentialsControlPlane(t *testing.T) {
 
 func TestWriteCredentialsRefusesNonLocalPaths(t *testing.T) {
 	ca := newKubeCA(t)
+	cp := metadata.Instance{Name: "cp-1", Role: metadata.RoleControlPlane, Addresses: addrs("10.0.0.11")}
 	for _, path := range []string{"../x", "/etc/passwd", "etcd/../../x", ""} {
 		t.Run(path, func(t *testing.T) {
 			p := testPaths(t)
-			ticket, key := ticketFor(t, ca, credInstance)
+			ticket, key := ticketFor(t, ca, cp)
 			ticket.ControlPlaneFiles = []*berthv1.File{{Path: path, Content: []byte("attacker"), Mode: 0o644}}
-			_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
+			_, err := writeCredentials(&Config{Paths: p}, cp, ticket, key)
 			if err == nil || !strings.Contains(err.Error(), "leaves the certificates directory") {
 				t.Fatalf("writeCredentials: %v, want the path refused", err)
 			}
@@ -318,6 +319,43 @@ func TestWriteCredentialsRefusesMalformedCertificates(t *testing.T) {
 			tamper(ticket)
 			if _, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key); err == nil {
 				t.Fatal("writeCredentials accepted the ticket")
+			}
+		})
+	}
+}
+
+// A ticket is checked against the node it is for, whatever the service that sent it: a worker takes no
+// control-plane material, no ticket of another node, no endpoint that is not host:port; nothing is written.
+func TestWriteCredentialsRefusesTicketsNotForThisNode(t *testing.T) {
+	ca := newKubeCA(t)
+	for _, tc := range []struct {
+		name   string
+		change func(*berthv1.JoinTicket)
+		want   string
+	}{
+		{"control-plane files to a worker", func(tk *berthv1.JoinTicket) {
+			tk.ControlPlaneFiles = []*berthv1.File{{Path: "ca.key", Content: []byte("ca key"), Mode: 0o600}}
+		}, "control-plane material (1 files, cluster secrets: false) for a worker node"},
+		{"cluster secrets to a worker", func(tk *berthv1.JoinTicket) {
+			tk.ClusterSecrets = &berthv1.ClusterSecrets{MasterSecret: []byte("master")}
+		}, "cluster secrets: true) for a worker node"},
+		{"another node's ticket", func(tk *berthv1.JoinTicket) { tk.NodeName = "cp-0" }, `for node "cp-0", this node is "w-0"`},
+		{"endpoint without a port", func(tk *berthv1.JoinTicket) { tk.ApiServerEndpoint = "10.0.0.1" }, "API server endpoint"},
+		{"endpoint with a path", func(tk *berthv1.JoinTicket) { tk.ApiServerEndpoint = "evil.example/x:6443" }, "API server endpoint"},
+		{"kubelet method, bad endpoint", func(tk *berthv1.JoinTicket) {
+			tk.JoinMethod, tk.ApiServerEndpoint = berthv1.JoinMethod_JOIN_METHOD_KUBELET, "10.0.0.1:0"
+		}, "API server endpoint"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := testPaths(t)
+			ticket, key := ticketFor(t, ca, credInstance)
+			tc.change(ticket)
+			_, err := writeCredentials(&Config{Paths: p}, credInstance, ticket, key)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("writeCredentials: %v, want a refusal with %q", err, tc.want)
+			}
+			if _, err := os.Stat(p.KubernetesDir); err == nil {
+				t.Error("files were written for a refused ticket")
 			}
 		})
 	}

@@ -188,6 +188,10 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		attrs = append(attrs, "token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
 	}
 	log.Info("join ticket received", attrs...)
+	// Before the node commits to the ticket (its lock, its disk key), it checks the ticket is one for it.
+	if _, _, err := checkTicket(self.Instance, ticket, kubeletKey); err != nil {
+		return nil, fmt.Errorf("join ticket refused: %w", err)
+	}
 
 	if !c.cfg.Lock.TryLock(nodestate.OwnerJoin) {
 		log.Info("init server took the node lock first; join stops")
