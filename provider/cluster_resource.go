@@ -34,6 +34,7 @@ import (
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/rpc"
 )
 
 const (
@@ -276,6 +277,10 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 		ExpectedPCRs: pcrs,
 		Request:      request,
 		Timeout:      timeout,
+		Busy: func(attempt int, wait time.Duration) {
+			tflog.Info(ctx, "the node is busy with another init exchange; asking again", map[string]any{
+				"endpoint": endpoint, "attempt": attempt, "retry_in": wait.String()})
+		},
 		Progress: func(line string) {
 			tflog.Info(ctx, "kubeadm: "+line, map[string]any{"endpoint": endpoint})
 			if len(tail) == progressTail {
@@ -380,7 +385,10 @@ func addInitError(diags *diag.Diagnostics, endpoint string, err error, tail []st
 		return
 	}
 	detail := err.Error()
-	if code := status.Code(err); len(tail) == 0 && (code == codes.DeadlineExceeded || code == codes.Unavailable) {
+	if rpc.IsBusy(err) {
+		detail = "Another client kept the node's init server busy until init_timeout. Is a second apply (or " +
+			"someone else) initializing this node?\n\n" + detail
+	} else if code := status.Code(err); len(tail) == 0 && (code == codes.DeadlineExceeded || code == codes.Unavailable) {
 		detail = "No init server answered in time. Is the node up, booted from a Berth image with user-data from " +
 			"berth_node_config (with init_secret_hash), and is its port reachable from here?\n\n" + detail
 	}

@@ -80,7 +80,9 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 				ElementType: types.StringType,
 				MarkdownDescription: "`host:port` of load balancers in front of the join service, tried before the " +
 					"control-plane nodes themselves. Required when `bare_metal` is true: then they are the only way " +
-					"to the join service.",
+					"to the join service. A load balancer here must pass the nodes' own source addresses on (a " +
+					"network load balancer, not a proxy): the join service finds a node's instance record by the " +
+					"address it connects from, and refuses a node whose record has another name.",
 			},
 			"init_secret_hash": schema.StringAttribute{
 				Optional: true,

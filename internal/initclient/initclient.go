@@ -63,8 +63,11 @@ type Config struct {
 	Progress func(line string)
 	// LocalAddr, if valid, is the source address of the connection.
 	LocalAddr netip.Addr
-	// Timeout bounds the whole call; DefaultTimeout if zero.
+	// Timeout bounds the whole call, waits for a busy node included; DefaultTimeout if zero.
 	Timeout time.Duration
+	// Busy, if set, is told each time the node was busy with another exchange, before the wait for the
+	// next attempt.
+	Busy func(attempt int, wait time.Duration)
 }
 
 // MeasurementError is a node whose quoted PCR differs from what the image predicts. Got is nil when the
@@ -81,9 +84,10 @@ func (e *MeasurementError) Error() string {
 	return fmt.Sprintf("PCR %d: expected %x, got %x", e.PCR, e.Expected, e.Got)
 }
 
-// Init attests the node at cfg.Endpoint, sends it the init request and returns its result. Errors from
-// the node keep their gRPC status (status.Code works on them); a node whose measurements differ gives an
-// error wrapping *MeasurementError.
+// Init attests the node at cfg.Endpoint, sends it the init request and returns its result. A node busy
+// with another client's exchange is asked again until cfg.Timeout. Errors from the node keep their gRPC
+// status (status.Code works on them); a node whose measurements differ gives an error wrapping
+// *MeasurementError.
 func Init(ctx context.Context, cfg Config) (*berthv1.InitResult, error) {
 	pcrs, err := cfg.check()
 	if err != nil {
@@ -91,6 +95,12 @@ func Init(ctx context.Context, cfg Config) (*berthv1.InitResult, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, cmp.Or(cfg.Timeout, DefaultTimeout))
 	defer cancel()
+	return rpc.RetryBusy(ctx, func() (*berthv1.InitResult, error) { return attemptInit(ctx, cfg, pcrs) }, cfg.Busy)
+}
+
+// attemptInit is one exchange, on a connection of its own: the init server serves one exchange per
+// connection.
+func attemptInit(ctx context.Context, cfg Config, pcrs []int) (*berthv1.InitResult, error) {
 	// A node is usually created in the same run that initializes it, so its init server may not listen yet:
 	// the stream waits for the connection, redialling every few seconds, until the timeout.
 	opts := append(rpc.DialOptions(tlsConfig(), cfg.LocalAddr), grpc.WithConnectParams(grpc.ConnectParams{
@@ -256,6 +266,10 @@ func AwaitsInit(ctx context.Context, endpoint string, timeout time.Duration) (bo
 		return false, err
 	}
 	msg, err := st.Recv()
+	if rpc.IsBusy(err) {
+		// Another client's exchange holds the slot: an init server all the same.
+		return true, nil
+	}
 	if err != nil {
 		return false, err
 	}

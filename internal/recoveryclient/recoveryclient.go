@@ -48,8 +48,11 @@ type Config struct {
 	Confirm func(Node) error
 	// LocalAddr, if valid, is the source address of the connection.
 	LocalAddr netip.Addr
-	Timeout   time.Duration
-	Clock     func() time.Time
+	// Timeout bounds the whole recovery, waits for a busy node included; DefaultTimeout if zero.
+	Timeout time.Duration
+	// Busy, if set, is told each time the node was busy with another exchange, before the next attempt.
+	Busy  func(attempt int, wait time.Duration)
+	Clock func() time.Time
 }
 
 // Node is what the attested node is: its own name, role and disk, and what attestation proved.
@@ -61,7 +64,8 @@ type Node struct {
 	EK string
 }
 
-// Recover attests the node at cfg.Endpoint and sends it its disk key. Errors from the node keep their gRPC
+// Recover attests the node at cfg.Endpoint and sends it its disk key, asking again while the node is busy
+// with another exchange, until cfg.Timeout. Errors from the node keep their gRPC
 // status; a node whose measurements the policy refuses gives an error wrapping *policy.MismatchError,
 // which names the PCR, expected and got, and nothing was sent to it.
 func Recover(ctx context.Context, cfg Config) (*Node, error) {
@@ -71,6 +75,11 @@ func Recover(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, cmp.Or(cfg.Timeout, DefaultTimeout))
 	defer cancel()
+	return rpc.RetryBusy(ctx, func() (*Node, error) { return attempt(ctx, cfg, secrets) }, cfg.Busy)
+}
+
+// attempt is one exchange, on a connection of its own: the node serves one exchange per connection.
+func attempt(ctx context.Context, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) {
 	conn, err := grpc.NewClient(cfg.Endpoint, rpc.DialOptions(tlsConfig(), cfg.LocalAddr)...)
 	if err != nil {
 		return nil, fmt.Errorf("recovery of %s: %w", cfg.Endpoint, err)

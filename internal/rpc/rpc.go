@@ -10,10 +10,10 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
@@ -34,7 +34,7 @@ const MaxHeaderListSize = 16 << 10
 
 // ServerOptions are the options of every Berth gRPC server: TLS 1.3 with cert, bounded messages,
 // a handshake timeout, few streams per connection, and idle connections closed soon: nodes open one
-// connection per exchange, so an idle one only holds a slot of a LimitListener.
+// connection per exchange, so an idle one only holds a slot of an AdmitListener.
 func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 	cfg := &tls.Config{
 		MinVersion:   tls.VersionTLS13,
@@ -114,6 +114,18 @@ func PeerAddr(ctx context.Context) (netip.Addr, error) {
 	return ap.Addr().Unmap(), nil
 }
 
+// FirstMessageTimeout is how long a server waits for a stream's first message: a node sends it once its
+// TPM has quoted, which a slow discrete TPM takes a second or two for, more under load. A peer that holds a
+// stream silent holds a connection slot this long and no longer.
+const FirstMessageTimeout = 10 * time.Second
+
+// RecvWithin receives one message within d (and within ctx).
+func RecvWithin[T any](ctx context.Context, s Receiver[T], d time.Duration) (*T, error) {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	return Recv(ctx, s)
+}
+
 // Receiver is the receiving half of a gRPC stream.
 type Receiver[T any] interface {
 	Recv() (*T, error)
@@ -139,47 +151,74 @@ func Recv[T any](ctx context.Context, s Receiver[T]) (*T, error) {
 	}
 }
 
-// LimitListener accepts at most n connections at a time; further connections wait in the kernel's listen
-// queue until one closes. A storm of nodes then costs the server a bounded number of TLS handshakes and
-// transport buffers at once, instead of memory and CPU in proportion to the storm.
-func LimitListener(l net.Listener, n int) net.Listener {
-	return &limitListener{Listener: l, slots: make(chan struct{}, n), done: make(chan struct{})}
+// StepTimeout bounds each later message of an exchange whose every step is computed at once from the one
+// before: a peer slower than this holds what the exchange holds without working.
+const StepTimeout = 10 * time.Second
+
+// ErrBusy is a server's answer when its one exchange slot stayed taken: the client may ask again.
+var ErrBusy = status.Error(codes.Unavailable, "busy")
+
+// IsBusy reports whether err, however wrapped, is a server's ErrBusy.
+func IsBusy(err error) bool {
+	var se interface{ GRPCStatus() *status.Status }
+	if !errors.As(err, &se) {
+		return false
+	}
+	st := se.GRPCStatus()
+	return st.Code() == codes.Unavailable && st.Message() == "busy"
 }
 
-type limitListener struct {
-	net.Listener
-	slots     chan struct{}
-	done      chan struct{}
-	closeOnce sync.Once
-}
+// Slot lets one exchange run at a time, for work a node can do only once at a time (its TPM, 64 MiB of
+// argon2id, its disk key).
+type Slot chan struct{}
 
-func (l *limitListener) Accept() (net.Conn, error) {
+// NewSlot returns a free slot.
+func NewSlot() Slot { return make(Slot, 1) }
+
+// Take waits up to wait for the slot; on true the caller must Release it. Waiters are served in order.
+func (s Slot) Take(ctx context.Context, wait time.Duration) bool {
+	t := time.NewTimer(wait)
+	defer t.Stop()
 	select {
-	case l.slots <- struct{}{}:
-	case <-l.done:
-		return nil, net.ErrClosed
+	case s <- struct{}{}:
+		return true
+	case <-t.C:
+		return false
+	case <-ctx.Done():
+		return false
 	}
-	c, err := l.Listener.Accept()
-	if err != nil {
-		<-l.slots
-		return nil, err
+}
+
+// Release frees the slot.
+func (s Slot) Release() { <-s }
+
+// Waits between attempts of RetryBusy: a busy server's slot is held for seconds, or for as long as another
+// client keeps its exchange going.
+const (
+	busyRetryBase = 500 * time.Millisecond
+	busyRetryMax  = 5 * time.Second
+)
+
+// RetryBusy runs attempt until it ends with anything but ErrBusy or ctx ends, waiting longer after each busy
+// answer (up to five seconds). busy, if set, hears of each busy answer before the wait. When ctx ends first,
+// the error is the last busy answer.
+func RetryBusy[T any](ctx context.Context, attempt func() (T, error), busy func(attempt int, wait time.Duration)) (T, error) {
+	wait := busyRetryBase
+	for n := 1; ; n++ {
+		res, err := attempt()
+		if !IsBusy(err) {
+			return res, err
+		}
+		if busy != nil {
+			busy(n, wait)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return res, fmt.Errorf("%w (asked %d times)", err, n)
+		}
+		wait = min(2*wait, busyRetryMax)
 	}
-	return &limitedConn{Conn: c, release: func() { <-l.slots }}, nil
-}
-
-func (l *limitListener) Close() error {
-	l.closeOnce.Do(func() { close(l.done) })
-	return l.Listener.Close()
-}
-
-type limitedConn struct {
-	net.Conn
-	once    sync.Once
-	release func()
-}
-
-func (c *limitedConn) Close() error {
-	err := c.Conn.Close()
-	c.once.Do(c.release)
-	return err
 }

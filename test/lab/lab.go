@@ -539,14 +539,27 @@ func nodeNames(nodes []*Node) string {
 
 // KubeletClientCert is the certificate the node's kubelet authenticates with.
 func (n *Node) KubeletClientCert() (*x509.Certificate, error) {
-	path := n.path("fs/var/lib/kubelet/pki/kubelet-client-current.pem")
-	// The kubelet makes it a link to the file of its newest certificate, by a path inside the node.
-	if target, err := os.Readlink(path); err == nil && filepath.IsAbs(target) {
-		path = n.path(filepath.Join("fs", target))
+	path, err := n.kubeletCertPath()
+	if err != nil {
+		return nil, err
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
 	return pki.ParseCertPEM(firstPEM(data))
+}
+
+// kubeletCertPath is the host's path of the file with the kubelet's client certificate and key.
+func (n *Node) kubeletCertPath() (string, error) {
+	path := n.path("fs/var/lib/kubelet/pki/kubelet-client-current.pem")
+	// The kubelet makes it a link to the file of its newest certificate, by a path inside the node.
+	target, err := os.Readlink(path)
+	switch {
+	case err == nil && filepath.IsAbs(target):
+		return n.path(filepath.Join("fs", target)), nil
+	case err == nil, errors.Is(err, syscall.EINVAL):
+		return path, nil
+	}
+	return "", err
 }

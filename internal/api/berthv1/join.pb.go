@@ -311,7 +311,11 @@ type JoinRequest struct {
 	KubeletCsr []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
 	// Role the node read from its own metadata. It grants nothing: the service refuses a node whose instance
 	// record disagrees, so that a confused or tampered node fails loudly instead of joining as a worker.
-	Role          string `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"`
+	Role string `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"`
+	// Name the node read from its own metadata. It grants nothing either: the service refuses a node whose
+	// instance record, found by the connection's source address, has another name, which is what every node
+	// behind a load balancer that rewrites source addresses would see.
+	NodeName      string `protobuf:"bytes,5,opt,name=node_name,json=nodeName,proto3" json:"node_name,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -374,10 +378,20 @@ func (x *JoinRequest) GetRole() string {
 	return ""
 }
 
+func (x *JoinRequest) GetNodeName() string {
+	if x != nil {
+		return x.NodeName
+	}
+	return ""
+}
+
 type RejoinRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Evidence      *Evidence              `protobuf:"bytes,1,opt,name=evidence,proto3" json:"evidence,omitempty"`
-	DiskUuid      string                 `protobuf:"bytes,2,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Evidence *Evidence              `protobuf:"bytes,1,opt,name=evidence,proto3" json:"evidence,omitempty"`
+	DiskUuid string                 `protobuf:"bytes,2,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
+	// As in JoinRequest.
+	Role          string `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
+	NodeName      string `protobuf:"bytes,4,opt,name=node_name,json=nodeName,proto3" json:"node_name,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -426,12 +440,29 @@ func (x *RejoinRequest) GetDiskUuid() string {
 	return ""
 }
 
+func (x *RejoinRequest) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *RejoinRequest) GetNodeName() string {
+	if x != nil {
+		return x.NodeName
+	}
+	return ""
+}
+
 type RenewRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Evidence *Evidence              `protobuf:"bytes,1,opt,name=evidence,proto3" json:"evidence,omitempty"`
 	DiskUuid string                 `protobuf:"bytes,2,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
 	// DER PKCS#10 request for the new kubelet client certificate, on a new key.
-	KubeletCsr    []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
+	KubeletCsr []byte `protobuf:"bytes,3,opt,name=kubelet_csr,json=kubeletCsr,proto3" json:"kubelet_csr,omitempty"`
+	// As in JoinRequest.
+	Role          string `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"`
+	NodeName      string `protobuf:"bytes,5,opt,name=node_name,json=nodeName,proto3" json:"node_name,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -485,6 +516,20 @@ func (x *RenewRequest) GetKubeletCsr() []byte {
 		return x.KubeletCsr
 	}
 	return nil
+}
+
+func (x *RenewRequest) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *RenewRequest) GetNodeName() string {
+	if x != nil {
+		return x.NodeName
+	}
+	return ""
 }
 
 type RenewedCertificate struct {
@@ -980,21 +1025,26 @@ const file_internal_api_berthv1_join_proto_rawDesc = "" +
 	"joinTicket\x12=\n" +
 	"\rrejoin_ticket\x18\x03 \x01(\v2\x16.berth.v1.RejoinTicketH\x00R\frejoinTicket\x12O\n" +
 	"\x13renewed_certificate\x18\x04 \x01(\v2\x1c.berth.v1.RenewedCertificateH\x00R\x12renewedCertificateB\x05\n" +
-	"\x03msg\"\x8f\x01\n" +
+	"\x03msg\"\xac\x01\n" +
 	"\vJoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
 	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x1f\n" +
 	"\vkubelet_csr\x18\x03 \x01(\fR\n" +
 	"kubeletCsr\x12\x12\n" +
-	"\x04role\x18\x04 \x01(\tR\x04role\"\\\n" +
+	"\x04role\x18\x04 \x01(\tR\x04role\x12\x1b\n" +
+	"\tnode_name\x18\x05 \x01(\tR\bnodeName\"\x8d\x01\n" +
 	"\rRejoinRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
-	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\"|\n" +
+	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x12\n" +
+	"\x04role\x18\x03 \x01(\tR\x04role\x12\x1b\n" +
+	"\tnode_name\x18\x04 \x01(\tR\bnodeName\"\xad\x01\n" +
 	"\fRenewRequest\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
 	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x1f\n" +
 	"\vkubelet_csr\x18\x03 \x01(\fR\n" +
-	"kubeletCsr\"E\n" +
+	"kubeletCsr\x12\x12\n" +
+	"\x04role\x18\x04 \x01(\tR\x04role\x12\x1b\n" +
+	"\tnode_name\x18\x05 \x01(\tR\bnodeName\"E\n" +
 	"\x12RenewedCertificate\x12/\n" +
 	"\x13kubelet_certificate\x18\x01 \x01(\fR\x12kubeletCertificate\"\xa6\x06\n" +
 	"\n" +

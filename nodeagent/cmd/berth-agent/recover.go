@@ -50,6 +50,9 @@ func runRecover(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "berth-agent recover: %v\n", err)
 		return 1
 	}
+	cfg.Busy = func(attempt int, wait time.Duration) {
+		fmt.Fprintf(stderr, "the node is busy with another exchange; asking again in %s (attempt %d)\n", wait, attempt)
+	}
 	cfg.Confirm = func(n recoveryclient.Node) error {
 		fmt.Fprintf(stdout, "attested: node %q (%s), image %q, disk %s, TPM %s\n", n.Name, n.Role, n.Image, n.Disk, n.EK)
 		if *expectName != "" && n.Name != *expectName {

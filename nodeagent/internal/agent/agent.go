@@ -329,7 +329,8 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	if err != nil {
 		return nil, nil, err
 	}
-	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterInitServiceServer(gs, srv) }, 30*time.Second)
+	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterInitServiceServer(gs, srv) },
+		initserver.DefaultTimeout+initserver.DefaultInitTimeout, 30*time.Second)
 	if err != nil {
 		return nil, nil, fmt.Errorf("init server: %w", err)
 	}
@@ -337,26 +338,33 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	return srv, stop, nil
 }
 
+// initPortSlots bounds the connections served at once on the init port: its servers run one exchange at
+// a time, so a few connections waiting for it are all a legitimate client (Terraform, an operator) needs.
+const initPortSlots = 8
+
 // serveOnInitPort serves what register registers on the init port, with a certificate no one pins (the
-// clients authenticate the node by attestation), and returns how to stop it, giving running calls grace.
-func (a *Agent) serveOnInitPort(register func(*grpc.Server), grace time.Duration) (stop func(), err error) {
+// clients authenticate the node by attestation), one exchange of at most exchange per connection, and
+// returns how to stop it, giving running calls grace.
+func (a *Agent) serveOnInitPort(register func(*grpc.Server), exchange, grace time.Duration) (stop func(), err error) {
 	cert, err := initserver.ServerCredentials()
 	if err != nil {
 		return nil, err
 	}
-	lis, err := net.Listen("tcp", a.cfg.InitListen)
+	inner, err := net.Listen("tcp", a.cfg.InitListen)
 	if err != nil {
 		return nil, err
 	}
-	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	lis := rpc.Admit(inner, rpc.AdmitConfig{Slots: initPortSlots, Exchange: exchange, Logger: a.log.With("component", "init-port")})
+	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	register(gs)
 	go gs.Serve(lis)
 	return func() { stopGracefully(gs, grace) }, nil
 }
 
-// clusterRecorder publishes the cluster record right after kubeadm init, and records this node's TPM as its
+// clusterRecorder publishes the cluster record right after kubeadm init, records this node's TPM as its
 // disk's owner, as the join service does for every node it keys, so that the node gets rejoin tickets from
-// the control-plane nodes that join after it. The API server answered kubeadm's last phases a moment ago,
+// the control-plane nodes that join after it, and removes kubeadm's auto-approval of bootstrap tokens' node
+// CSRs (joinservice.RemoveBootstrapAutoApproval) before the cluster is handed out. The API server answered kubeadm's last phases a moment ago,
 // so failures are retried only briefly: a node whose records cannot be written fails its init rather than
 // hand out a cluster Terraform could not recognize later, or be a node that can never rejoin.
 type clusterRecorder struct {
@@ -375,6 +383,9 @@ func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Inf
 	disks := &joinservice.KubeDisks{Client: kube}
 	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error {
 		if err := disks.Claim(ctx, r.disk, r.ek); err != nil {
+			return err
+		}
+		if _, err := joinservice.RemoveBootstrapAutoApproval(ctx, kube); err != nil {
 			return err
 		}
 		return clusterinfo.Publish(ctx, kube, info)

@@ -25,6 +25,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -87,6 +88,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
+	go removeBootstrapAutoApproval(ctx, kube, log)
 	ips := make([]net.IP, len(self.Instance.Addresses))
 	for i, addr := range self.Instance.Addresses {
 		ips[i] = addr.AsSlice()
@@ -166,8 +168,8 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	lis = rpc.LimitListener(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0))
-	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	lis = svc.Listen(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0), rpc.DefaultPerAddress)
+	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterJoinServiceServer(gs, svc)
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
@@ -288,4 +290,20 @@ func serverCert(ca *pki.CA, names []string, ips []net.IP) (tls.Certificate, erro
 		return tls.Certificate{}, err
 	}
 	return tls.Certificate{Certificate: [][]byte{leaf.Raw, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}, nil
+}
+
+// removeBootstrapAutoApproval removes kubeadm's auto-approval of bootstrap tokens' node CSRs, which a
+// `kubeadm upgrade apply` makes again, retrying until the API server answers or ctx ends.
+func removeBootstrapAutoApproval(ctx context.Context, kube kubernetes.Interface, log *slog.Logger) {
+	err := backoff.Retry(ctx, backoff.Policy{Max: time.Minute}, nil, nil, func(ctx context.Context) error {
+		removed, err := joinservice.RemoveBootstrapAutoApproval(ctx, kube)
+		if removed {
+			log.Warn("removed kubeadm's auto-approval of bootstrap tokens' node certificates: the join service alone gives nodes their identity",
+				"cluster_role_binding", joinservice.BootstrapAutoApproveBinding)
+		}
+		return err
+	}, nil)
+	if err != nil && ctx.Err() == nil {
+		log.Error("removing kubeadm's auto-approval of bootstrap tokens' node certificates", "error", err)
+	}
 }

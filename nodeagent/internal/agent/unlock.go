@@ -95,7 +95,8 @@ func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk str
 	if err != nil {
 		return nil, nil, err
 	}
-	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterRecoveryServiceServer(gs, srv) }, 10*time.Second)
+	stop, err := a.serveOnInitPort(func(gs *grpc.Server) { berthv1.RegisterRecoveryServiceServer(gs, srv) },
+		recoveryserver.DefaultTimeout, 10*time.Second)
 	if err != nil {
 		return nil, nil, fmt.Errorf("recovery server: %w", err)
 	}

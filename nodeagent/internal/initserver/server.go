@@ -8,6 +8,12 @@
 // error, a wrong secret, no hash at all) ends the stream with the same "init refused", so that anyone who
 // can reach the port learns nothing about the node, its TPM or its metadata.
 //
+// One exchange runs at a time (a quote, an activation and 64 MiB of argon2id each). A stream takes that
+// slot only once it said hello, within seconds of opening; it waits for the slot up to SlotWait and is
+// then told "busy", which the client retries within its own timeout; and it loses the slot when any of its
+// answers takes longer than ten seconds. So anyone who can reach the port holds the slot for seconds at a
+// time and only while it keeps the exchange going, never for the exchange's whole timeout.
+//
 // After the secret, the server explains itself. The request is checked in full before the node lock is
 // taken, since checking changes nothing and a typo should not cost the operator the node. Taking the lock
 // commits the node: the join client stops, and every later init is refused, even if this one fails, since
@@ -73,6 +79,9 @@ const (
 	// DefaultInitTimeout bounds the work after the node lock: keying the disk and kubeadm init, which
 	// pulls images and waits for the control plane.
 	DefaultInitTimeout = 10 * time.Minute
+	// DefaultSlotWait is how long an exchange that said hello waits for the one init slot before it is
+	// told "busy" (and its client retries).
+	DefaultSlotWait = 10 * time.Second
 )
 
 // Files the server writes, relative to Paths.State.
@@ -81,7 +90,7 @@ const (
 	JoinPolicyFile    = "join-policy.yaml"
 )
 
-// Config wires a Server. All fields but Timeout, InitTimeout, Clock and Logger are required.
+// Config wires a Server. All fields but Timeout, InitTimeout, SlotWait, Clock and Logger are required.
 type Config struct {
 	Prover Prover
 	Lock   Locker
@@ -103,8 +112,10 @@ type Config struct {
 	Timeout time.Duration
 	// InitTimeout bounds the work after the node lock, kubeadm init included; DefaultInitTimeout if zero.
 	InitTimeout time.Duration
-	Clock       func() time.Time
-	Logger      *slog.Logger
+	// SlotWait is how long an exchange waits for the init slot; DefaultSlotWait if zero.
+	SlotWait time.Duration
+	Clock    func() time.Time
+	Logger   *slog.Logger
 }
 
 // Initialized is what a successful init made of the node.
@@ -121,18 +132,15 @@ type Server struct {
 	disk keys.Label
 	// slot admits one Init at a time: an init secret check costs 64 MiB of argon2id, and two inits
 	// must never race for the node.
-	slot chan struct{}
+	slot rpc.Slot
 	done chan struct{}
 
 	mu     sync.Mutex
 	result *Initialized
 }
 
-var (
-	// errRefused is every answer before the init secret has been checked.
-	errRefused = status.Error(codes.PermissionDenied, "init refused")
-	errBusy    = status.Error(codes.Unavailable, "busy")
-)
+// errRefused is every answer before the init secret has been checked.
+var errRefused = status.Error(codes.PermissionDenied, "init refused")
 
 // New checks cfg.
 func New(cfg Config) (*Server, error) {
@@ -163,6 +171,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.InitTimeout == 0 {
 		cfg.InitTimeout = DefaultInitTimeout
 	}
+	if cfg.SlotWait == 0 {
+		cfg.SlotWait = DefaultSlotWait
+	}
 	if cfg.Clock == nil {
 		cfg.Clock = time.Now
 	}
@@ -172,7 +183,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Self.UserData.InitSecretHash == "" {
 		cfg.Logger.Warn("user-data holds no init secret hash: every init will be refused")
 	}
-	return &Server{cfg: cfg, disk: disk, slot: make(chan struct{}, 1), done: make(chan struct{})}, nil
+	return &Server{cfg: cfg, disk: disk, slot: rpc.NewSlot(), done: make(chan struct{})}, nil
 }
 
 // ServerCredentials makes the init server's TLS certificate, on a new key held only in memory. Nobody can
@@ -213,15 +224,19 @@ func (s *Server) Result() *Initialized {
 
 // Init runs one init exchange; see the package documentation.
 func (s *Server) Init(st berthv1.InitService_InitServer) error {
-	select {
-	case s.slot <- struct{}{}:
-		defer func() { <-s.slot }()
-	default:
-		return errBusy
-	}
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
-	req := s.authenticate(ctx, st)
+	// The slot is taken only by a stream that said hello at once: a silent one never holds it, and one
+	// that stalls later loses it after rpc.StepTimeout.
+	hello, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
+	if err != nil || hello.GetHello() == nil {
+		return errRefused
+	}
+	if !s.slot.Take(ctx, s.cfg.SlotWait) {
+		return rpc.ErrBusy
+	}
+	defer s.slot.Release()
+	req := s.authenticate(ctx, st, hello)
 	if req == nil {
 		return errRefused
 	}
@@ -276,16 +291,12 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 
 // authenticate runs the exchange up to the init secret check and returns the request that passed it, or
 // nil. It neither logs nor tells why: see the package documentation.
-func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitServer) *berthv1.InitRequest {
+func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitServer, hello *berthv1.InitClientMessage) *berthv1.InitRequest {
 	nonce, err := rpc.StreamNonce(ctx)
 	if err != nil {
 		return nil
 	}
-	msg, err := rpc.Recv(ctx, st)
-	if err != nil {
-		return nil
-	}
-	pcrs, err := attest.PCRIndexes(msg.GetHello().GetPcrs())
+	pcrs, err := attest.PCRIndexes(hello.GetHello().GetPcrs())
 	if err != nil {
 		return nil
 	}
@@ -296,7 +307,8 @@ func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitSe
 	if st.Send(&berthv1.InitServerMessage{Msg: &berthv1.InitServerMessage_Evidence{Evidence: ev}}) != nil {
 		return nil
 	}
-	if msg, err = rpc.Recv(ctx, st); err != nil || msg.GetChallenge() == nil {
+	msg, err := rpc.RecvWithin(ctx, st, rpc.StepTimeout)
+	if err != nil || msg.GetChallenge() == nil {
 		return nil
 	}
 	secret, err := s.cfg.Prover.Activate(msg.GetChallenge())
@@ -306,7 +318,7 @@ func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitSe
 	if st.Send(&berthv1.InitServerMessage{Msg: &berthv1.InitServerMessage_Proof{Proof: &berthv1.ActivationProof{Secret: secret}}}) != nil {
 		return nil
 	}
-	if msg, err = rpc.Recv(ctx, st); err != nil || msg.GetRequest() == nil {
+	if msg, err = rpc.RecvWithin(ctx, st, rpc.StepTimeout); err != nil || msg.GetRequest() == nil {
 		return nil
 	}
 	req := msg.GetRequest()

@@ -202,12 +202,14 @@ func (f *fixture) newNode(t *testing.T, opts ...nodeOption) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.addr = lis.Addr().String()
-	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	n.addr = inner.Addr().String()
+	// As the agent serves it, but every client here comes from one address.
+	lis := rpc.Admit(inner, rpc.AdmitConfig{Slots: 8, PerAddress: 8, Exchange: time.Minute})
+	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterInitServiceServer(gs, n.srv)
 	go gs.Serve(lis)
 	t.Cleanup(gs.Stop)
@@ -420,7 +422,7 @@ func TestInit(t *testing.T) {
 	})
 
 	t.Run("refusals before the init secret", func(t *testing.T) {
-		n := f.newNode(t)
+		n := f.newNode(t, func(c *Config) { c.SlotWait = 100 * time.Millisecond })
 
 		t.Run("wrong init secret", func(t *testing.T) {
 			req := f.request(t)
@@ -493,9 +495,13 @@ func TestInit(t *testing.T) {
 			if msg, err := first.Recv(); err != nil || msg.GetEvidence() == nil {
 				t.Fatalf("want evidence, got %v, %v", msg, err)
 			}
-			_, err := initclient.Init(ctx, n.client(f, f.request(t), new([]string)))
-			if st, _ := status.FromError(err); status.Code(err) != codes.Unavailable || !strings.HasSuffix(st.Message(), "busy") {
-				t.Fatalf("error %v, want Unavailable busy", err)
+			cfg := n.client(f, f.request(t), new([]string))
+			cfg.Timeout = 2 * time.Second
+			busy := 0
+			cfg.Busy = func(int, time.Duration) { busy++ }
+			_, err := initclient.Init(ctx, cfg)
+			if !rpc.IsBusy(err) || busy == 0 {
+				t.Fatalf("error %v after %d busy answers, want busy until the client's timeout", err, busy)
 			}
 			// Ending the first stream with a message out of order gets its refusal only after the server
 			// has let go of it.
@@ -555,6 +561,45 @@ func TestInit(t *testing.T) {
 			t.Errorf("the server logged during a refused init:\n%s", strings.TrimPrefix(after, before))
 		}
 		n.checkUntouched(t)
+	})
+
+	t.Run("silent streams do not keep the client out", func(t *testing.T) {
+		n := f.newNode(t)
+		silent := []grpc.BidiStreamingClient[berthv1.InitClientMessage, berthv1.InitServerMessage]{rawStream(t, n.addr), rawStream(t, n.addr)}
+		if _, err := initclient.Init(ctx, n.client(f, f.request(t), new([]string))); err != nil {
+			t.Fatalf("init while two streams are held open without a hello: %v", err)
+		}
+		for _, st := range silent {
+			_, err := st.Recv()
+			checkRefused(t, err)
+		}
+	})
+
+	t.Run("a client asks again while the node is busy", func(t *testing.T) {
+		n := f.newNode(t, func(c *Config) { c.SlotWait = 100 * time.Millisecond })
+		first := rawStream(t, n.addr)
+		if err := first.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{7}}}}); err != nil {
+			t.Fatal(err)
+		}
+		if msg, err := first.Recv(); err != nil || msg.GetEvidence() == nil {
+			t.Fatalf("want evidence, got %v, %v", msg, err)
+		}
+		busy := make(chan struct{}, 100)
+		cfg := n.client(f, f.request(t), new([]string))
+		cfg.Busy = func(int, time.Duration) { busy <- struct{}{} }
+		done := make(chan error, 1)
+		go func() {
+			_, err := initclient.Init(ctx, cfg)
+			done <- err
+		}()
+		<-busy
+		// The first client gives up; the second gets the slot at its next attempt.
+		if err := first.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("init after the node was busy: %v", err)
+		}
 	})
 
 	t.Run("exchange timeout", func(t *testing.T) {

@@ -172,7 +172,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 	msg, err := c.request(ctx, log, self, "join ticket", berthv1.JoinServiceClient.IssueJoinTicket,
 		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
-				Evidence: ev, DiskUuid: disk.UUID, KubeletCsr: csr, Role: string(self.Instance.Role),
+				Evidence: ev, DiskUuid: disk.UUID, KubeletCsr: csr, Role: string(self.Instance.Role), NodeName: self.Instance.Name,
 			}}}
 		}, func(m *berthv1.JoinServerMessage) bool { return m.GetJoinTicket() != nil })
 	if err != nil {
@@ -256,7 +256,7 @@ func (c *Client) Rejoin(ctx context.Context, diskUUID string) (*berthv1.RejoinTi
 	msg, err := c.request(ctx, log, self, "rejoin ticket", berthv1.JoinServiceClient.IssueRejoinTicket,
 		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{
-				Evidence: ev, DiskUuid: diskUUID,
+				Evidence: ev, DiskUuid: diskUUID, Role: string(self.Instance.Role), NodeName: self.Instance.Name,
 			}}}
 		}, func(m *berthv1.JoinServerMessage) bool { return m.GetRejoinTicket() != nil })
 	if err != nil {
@@ -285,7 +285,7 @@ func (c *Client) RenewKubeletCertificate(ctx context.Context, diskUUID string) (
 	msg, err := c.request(ctx, log, self, "kubelet certificate", berthv1.JoinServiceClient.RenewKubeletCertificate,
 		func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Renew{Renew: &berthv1.RenewRequest{
-				Evidence: ev, DiskUuid: diskUUID, KubeletCsr: csr,
+				Evidence: ev, DiskUuid: diskUUID, KubeletCsr: csr, Role: string(self.Instance.Role), NodeName: self.Instance.Name,
 			}}}
 		}, func(m *berthv1.JoinServerMessage) bool { return m.GetRenewedCertificate() != nil })
 	if err != nil {

@@ -1,8 +1,12 @@
 package joinservice
 
 import (
+	"crypto"
 	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/asn1"
@@ -42,7 +46,7 @@ func honestCSRTemplate() *x509.CertificateRequest {
 	}
 }
 
-func createCSR(t testing.TB, key *ecdsa.PrivateKey, tmpl *x509.CertificateRequest) []byte {
+func createCSR(t testing.TB, key crypto.Signer, tmpl *x509.CertificateRequest) []byte {
 	t.Helper()
 	der, err := x509.CreateCertificateRequest(rand.Reader, tmpl, key)
 	if err != nil {
@@ -199,10 +203,6 @@ func TestParseCSR(t *testing.T) {
 	key := csrKey(t)
 	honest := createCSR(t, key, honestCSRTemplate())
 
-	badSig := append([]byte(nil), honest...)
-	// The signature is the CSR's last field; flipping its last byte keeps the DER well formed.
-	badSig[len(badSig)-1] ^= 0x01
-
 	big := honestCSRTemplate()
 	for i := range 200 {
 		big.DNSNames = append(big.DNSNames, fmt.Sprintf("name-%03d.example.com", i))
@@ -223,8 +223,11 @@ func TestParseCSR(t *testing.T) {
 		{name: "valid but oversized", der: bigDER, wantErr: fmt.Sprintf("CSR of %d bytes", len(bigDER))},
 		{name: "garbage", der: []byte("not a CSR"), wantErr: "parsing kubelet CSR"},
 		{name: "truncated", der: honest[:len(honest)/2], wantErr: "parsing kubelet CSR"},
-		{name: "bad signature", der: badSig, wantErr: "kubelet CSR signature"},
 		{name: "certificate instead of CSR", der: selfSignedCert(t), wantErr: "parsing kubelet CSR"},
+		{name: "RSA key of 1024 bits", der: createCSR(t, rsaKey(t, 1024), honestCSRTemplate()), wantErr: "RSA key of 1024 bits, want 2048 to 4096"},
+		{name: "RSA key of 4104 bits", der: createCSR(t, rsaKey(t, 4104), honestCSRTemplate()), wantErr: "RSA key of 4104 bits, want 2048 to 4096"},
+		{name: "ECDSA on P-224", der: createCSR(t, ecKey(t, elliptic.P224()), honestCSRTemplate()), wantErr: "ECDSA on P-224"},
+		{name: "Ed25519", der: createCSR(t, ed25519Key(t), honestCSRTemplate()), wantErr: "ed25519.PublicKey, want ECDSA"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -243,6 +246,64 @@ func TestParseCSR(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestCSRKeysAccepted are the keys a kubelet certificate may have, each in a CSR that checkCSR accepts.
+func TestCSRKeysAccepted(t *testing.T) {
+	for name, key := range map[string]crypto.Signer{
+		"ECDSA P-256": ecKey(t, elliptic.P256()), "ECDSA P-384": ecKey(t, elliptic.P384()),
+		"RSA 2048": rsaKey(t, 2048), "RSA 4096": rsaKey(t, 4096),
+	} {
+		csr, err := parseCSR(createCSR(t, key, honestCSRTemplate()))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := checkCSR(csr, &csrInstance); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+}
+
+// TestCheckCSRChecksTheSignature: a CSR whose signature does not verify is refused once the node has
+// attested (parseCSR does not spend the verification on a stranger).
+func TestCheckCSRChecksTheSignature(t *testing.T) {
+	der := createCSR(t, csrKey(t), honestCSRTemplate())
+	// The signature is the CSR's last field; flipping its last byte keeps the DER well formed.
+	der[len(der)-1] ^= 0x01
+	csr, err := parseCSR(der)
+	if err != nil {
+		t.Fatalf("parseCSR checked more than the key: %v", err)
+	}
+	if err := checkCSR(csr, &csrInstance); err == nil || !strings.Contains(err.Error(), "signature") {
+		t.Fatalf("checkCSR of a CSR with a bad signature: %v", err)
+	}
+}
+
+func ecKey(t testing.TB, c elliptic.Curve) crypto.Signer {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(c, rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func rsaKey(t testing.TB, bits int) crypto.Signer {
+	t.Helper()
+	k, err := rsa.GenerateKey(rand.Reader, bits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func ed25519Key(t testing.TB) crypto.Signer {
+	t.Helper()
+	_, k, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }
 
 func selfSignedCert(t *testing.T) []byte {

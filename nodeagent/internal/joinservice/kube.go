@@ -133,3 +133,26 @@ func PKIFiles(dir string) func() ([]*berthv1.File, error) {
 		return files, nil
 	}
 }
+
+// BootstrapAutoApproveBinding is the ClusterRoleBinding `kubeadm init` makes (phase bootstrap-token) so
+// that kube-controller-manager approves every node client CSR a bootstrap token's holder sends.
+const BootstrapAutoApproveBinding = "kubeadm:node-autoapprove-bootstrap"
+
+// RemoveBootstrapAutoApproval deletes BootstrapAutoApproveBinding and reports whether it existed. Its
+// approver checks only that a CSR asks for a system:node: name, so anyone holding a bootstrap token (root on
+// a joined worker, whose ticket carried one) could get a client certificate for any node's name, a
+// control-plane node's included, past every check of the join service. Berth's nodes never use it: the
+// join service signs their first certificate, and their renewals go through kubeadm's other binding (a
+// node may renew its own certificate: kubeadm:node-autoapprove-certificate-rotation), which stays. kubeadm
+// makes the binding again on `kubeadm init` and `kubeadm upgrade apply`; every join service removes it
+// when it starts.
+func RemoveBootstrapAutoApproval(ctx context.Context, kube kubernetes.Interface) (bool, error) {
+	err := kube.RbacV1().ClusterRoleBindings().Delete(ctx, BootstrapAutoApproveBinding, metav1.DeleteOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("removing the ClusterRoleBinding %s: %w", BootstrapAutoApproveBinding, err)
+	}
+	return true, nil
+}

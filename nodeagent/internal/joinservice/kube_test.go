@@ -12,6 +12,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -299,5 +300,25 @@ func TestPKIFilesMissingFile(t *testing.T) {
 				t.Errorf("error %q carries file content", err)
 			}
 		})
+	}
+}
+
+func TestRemoveBootstrapAutoApproval(t *testing.T) {
+	ctx := context.Background()
+	rotation := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "kubeadm:node-autoapprove-certificate-rotation"}}
+	bootstrap := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: BootstrapAutoApproveBinding}}
+	client := fake.NewClientset(rotation, bootstrap)
+	if removed, err := RemoveBootstrapAutoApproval(ctx, client); err != nil || !removed {
+		t.Fatalf("first removal: %v, %v; want removed", removed, err)
+	}
+	if removed, err := RemoveBootstrapAutoApproval(ctx, client); err != nil || removed {
+		t.Fatalf("second removal: %v, %v; want nothing to remove and no error", removed, err)
+	}
+	left, err := client.RbacV1().ClusterRoleBindings().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left.Items) != 1 || left.Items[0].Name != rotation.Name {
+		t.Fatalf("bindings left %v, want only the certificate-rotation one", left.Items)
 	}
 }

@@ -25,6 +25,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/instancecache"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
@@ -146,7 +147,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.TokenTTL = 10 * time.Minute
 	}
 	if cfg.Timeout == 0 {
-		cfg.Timeout = 30 * time.Second
+		cfg.Timeout = DefaultTimeout
 	}
 	if cfg.Clock == nil {
 		cfg.Clock = time.Now
@@ -160,6 +161,9 @@ func New(cfg Config) (*Server, error) {
 		}
 		cfg.KubeletSigner = caSigner{ca: cfg.KubernetesCA, clock: cfg.Clock}
 	}
+	// Admission and attestation both look up the connecting address, and a storm asks about each many
+	// times: the cache answers from memory for a few seconds.
+	cfg.Instances = instancecache.New(instancecache.Config{Lookup: cfg.Instances})
 	id, err := keys.ClusterIDOf(cfg.MasterSecret, cfg.Salt)
 	if err != nil {
 		return nil, fmt.Errorf("join service: %w", err)
@@ -184,16 +188,16 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	var csr *x509.CertificateRequest
-	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (claim, error) {
 		req := m.GetJoin()
 		if req == nil {
-			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a join request")
+			return claim{}, status.Error(codes.InvalidArgument, "first message must be a join request")
 		}
 		var err error
 		if csr, err = parseCSR(req.KubeletCsr); err != nil {
-			return nil, "", "", status.Error(codes.InvalidArgument, err.Error())
+			return claim{}, status.Error(codes.InvalidArgument, err.Error())
 		}
-		return req.Evidence, req.DiskUuid, req.Role, nil
+		return claim{req.Evidence, req.DiskUuid, req.Role, req.NodeName}, nil
 	})
 	if err != nil {
 		return err
@@ -231,12 +235,12 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServer) error {
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
-	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (claim, error) {
 		req := m.GetRejoin()
 		if req == nil {
-			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a rejoin request")
+			return claim{}, status.Error(codes.InvalidArgument, "first message must be a rejoin request")
 		}
-		return req.Evidence, req.DiskUuid, "", nil
+		return claim{req.Evidence, req.DiskUuid, req.Role, req.NodeName}, nil
 	})
 	if err != nil {
 		return err
@@ -266,16 +270,16 @@ func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCert
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	var csr *x509.CertificateRequest
-	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (*berthv1.Evidence, string, string, error) {
+	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (claim, error) {
 		req := m.GetRenew()
 		if req == nil {
-			return nil, "", "", status.Error(codes.InvalidArgument, "first message must be a renewal request")
+			return claim{}, status.Error(codes.InvalidArgument, "first message must be a renewal request")
 		}
 		var err error
 		if csr, err = parseCSR(req.KubeletCsr); err != nil {
-			return nil, "", "", status.Error(codes.InvalidArgument, err.Error())
+			return claim{}, status.Error(codes.InvalidArgument, err.Error())
 		}
-		return req.Evidence, req.DiskUuid, "", nil
+		return claim{req.Evidence, req.DiskUuid, req.Role, req.NodeName}, nil
 	})
 	if err != nil {
 		return err
@@ -316,9 +320,17 @@ func (s *Server) checkOwner(ctx context.Context, ex *exchange, summary string) e
 	return nil
 }
 
+// claim is what a request says: its evidence and disk, and who the node believes it is. The role and name
+// grant nothing; they must match the instance record.
+type claim struct {
+	evidence       *berthv1.Evidence
+	diskUUID       string
+	role, nodeName string
+}
+
 // attest runs the part all calls share: read the request, find the instance, verify the evidence for
 // this connection, challenge the attestation key, and check the policy for the instance's role.
-func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (ev *berthv1.Evidence, diskUUID, role string, err error)) (*exchange, error) {
+func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (claim, error)) (*exchange, error) {
 	log := s.cfg.Logger
 	addr, err := rpc.PeerAddr(ctx)
 	if err != nil {
@@ -329,16 +341,16 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	if err != nil {
 		return nil, s.refuse(log, codes.FailedPrecondition, "connection refused", err)
 	}
-	msg, err := rpc.Recv(ctx, st)
+	msg, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
 	if err != nil {
 		return nil, s.streamErr(log, "receiving request", err)
 	}
-	ev, diskUUID, role, err := first(msg)
+	c, err := first(msg)
 	if err != nil {
 		log.Warn("request refused", "reason", err)
 		return nil, err
 	}
-	disk, err := keys.DiskLabel(diskUUID)
+	disk, err := keys.DiskLabel(c.diskUUID)
 	if err != nil {
 		return nil, s.refuse(log, codes.InvalidArgument, "disk id refused", err)
 	}
@@ -350,12 +362,17 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 		return nil, s.fail(log, "looking up instance record", err)
 	}
 	log = log.With("peer_node", inst.Name, "peer_role", string(inst.Role))
-	if role != "" && metadata.Role(role) != inst.Role {
+	if c.nodeName != inst.Name {
+		return nil, s.refuse(log, codes.PermissionDenied, "address refused", fmt.Errorf(
+			"the connection comes from the address of instance %q, but the node says it is %q: a load balancer in front of the join service must pass the nodes' own source addresses on (docs/agent.md, Limits)",
+			inst.Name, c.nodeName))
+	}
+	if metadata.Role(c.role) != inst.Role {
 		return nil, s.refuse(log, codes.PermissionDenied, "role refused",
-			fmt.Errorf("node asked as %q but its instance record says %q", role, inst.Role))
+			fmt.Errorf("node asked as %q but its instance record says %q", c.role, inst.Role))
 	}
 
-	pending, err := s.cfg.Verifier.Verify(ev, nonce)
+	pending, err := s.cfg.Verifier.Verify(c.evidence, nonce)
 	if err != nil {
 		return nil, s.attestErr(log, err)
 	}
@@ -378,8 +395,8 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	if err != nil {
 		return nil, s.refuse(log, codes.PermissionDenied, "measurements refused", err)
 	}
-	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: diskUUID,
-		log: log.With("image", image, "disk", diskUUID)}, nil
+	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: c.diskUUID,
+		log: log.With("image", image, "disk", c.diskUUID)}, nil
 }
 
 func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.CertificateRequest) (*berthv1.JoinTicket, error) {

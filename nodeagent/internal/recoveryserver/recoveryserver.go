@@ -40,6 +40,10 @@ type Disk interface {
 // operator's tool answers at once.
 const DefaultTimeout = time.Minute
 
+// slotWait is how long a recovery waits while another holds the node's one slot; the client then hears
+// "busy" and asks again.
+const slotWait = 10 * time.Second
+
 // Config wires a Server; Timeout, Logger are optional.
 type Config struct {
 	Prover   Prover
@@ -54,14 +58,12 @@ type Config struct {
 type Server struct {
 	berthv1.UnimplementedRecoveryServiceServer
 	cfg  Config
-	slot chan struct{}
+	slot rpc.Slot
 
 	once sync.Once
 	done chan struct{}
 	key  []byte
 }
-
-var errBusy = status.Error(codes.Unavailable, "busy: another recovery is in progress")
 
 // New checks cfg.
 func New(cfg Config) (*Server, error) {
@@ -74,7 +76,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Server{cfg: cfg, slot: make(chan struct{}, 1), done: make(chan struct{})}, nil
+	return &Server{cfg: cfg, slot: rpc.NewSlot(), done: make(chan struct{})}, nil
 }
 
 // Done is closed once a key has opened the disk; Key returns it then.
@@ -92,19 +94,23 @@ func (s *Server) Key() []byte {
 
 // Recover runs one recovery exchange.
 func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
-	select {
-	case s.slot <- struct{}{}:
-		defer func() { <-s.slot }()
-	default:
-		return errBusy
-	}
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
+	// As on the init server: the slot only for a stream that said hello at once, each later answer
+	// within rpc.StepTimeout.
+	hello, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
+	if err != nil {
+		return err
+	}
+	if !s.slot.Take(ctx, slotWait) {
+		return rpc.ErrBusy
+	}
+	defer s.slot.Release()
 	log := s.cfg.Logger
 	if addr, err := rpc.PeerAddr(ctx); err == nil {
 		log = log.With("peer", addr.String())
 	}
-	key, err := s.exchange(ctx, st)
+	key, err := s.exchange(ctx, st, hello)
 	if err != nil {
 		log.Warn("recovery refused", "reason", err)
 		return err
@@ -126,16 +132,12 @@ func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
 }
 
 // exchange attests the node to the client and returns the key the client sent.
-func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_RecoverServer) ([]byte, error) {
+func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_RecoverServer, hello *berthv1.RecoveryClientMessage) ([]byte, error) {
 	nonce, err := rpc.StreamNonce(ctx)
 	if err != nil {
 		return nil, status.Error(codes.FailedPrecondition, err.Error())
 	}
-	msg, err := rpc.Recv(ctx, st)
-	if err != nil {
-		return nil, err
-	}
-	pcrs, err := attest.PCRIndexes(msg.GetHello().GetPcrs())
+	pcrs, err := attest.PCRIndexes(hello.GetHello().GetPcrs())
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "hello: %v", err)
 	}
@@ -148,7 +150,8 @@ func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_Recove
 	}}}); err != nil {
 		return nil, err
 	}
-	if msg, err = rpc.Recv(ctx, st); err != nil {
+	msg, err := rpc.RecvWithin(ctx, st, rpc.StepTimeout)
+	if err != nil {
 		return nil, err
 	}
 	if msg.GetChallenge() == nil {
@@ -161,7 +164,7 @@ func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_Recove
 	if err := st.Send(&berthv1.RecoveryServerMessage{Msg: &berthv1.RecoveryServerMessage_Proof{Proof: &berthv1.ActivationProof{Secret: secret}}}); err != nil {
 		return nil, err
 	}
-	if msg, err = rpc.Recv(ctx, st); err != nil {
+	if msg, err = rpc.RecvWithin(ctx, st, rpc.StepTimeout); err != nil {
 		return nil, err
 	}
 	key := msg.GetKey().GetDiskKey()

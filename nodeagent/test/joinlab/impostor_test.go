@@ -53,17 +53,22 @@ func (im *impostor) requests() int { return int(im.calls.Load()) }
 
 // metadataFor serves n's record with the real join CA pin but the impostor as the only join endpoint.
 func (im *impostor) metadataFor(n *Node) *metadata.Client {
+	return metadataPointingTo(im.lab, n, im.addr)
+}
+
+// metadataPointingTo serves n's record with the lab's join CA pin and addr as the only join endpoint.
+func metadataPointingTo(lab *Lab, n *Node, addr string) *metadata.Client {
 	doc := &metadata.Document{
-		UserData: metadata.UserData{ClusterName: "lab", JoinEndpoints: []string{im.addr}, JoinPort: 1,
-			JoinCAPin: pki.SPKIPin(im.lab.JoinCA.Cert)},
+		UserData: metadata.UserData{ClusterName: "lab", JoinEndpoints: []string{addr}, JoinPort: 1,
+			JoinCAPin: pki.SPKIPin(lab.JoinCA.Cert)},
 		Instances: []metadata.Instance{{Name: n.Name, Role: n.Role, Addresses: []netip.Addr{n.Addr}}},
 	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		im.lab.t.Fatal(err)
+		lab.t.Fatal(err)
 	}
 	hs := &http.Server{Handler: metadata.NewServer(doc, slog.New(slog.DiscardHandler)), ReadHeaderTimeout: time.Second}
 	go hs.Serve(lis)
-	im.lab.t.Cleanup(func() { hs.Close() })
+	lab.t.Cleanup(func() { hs.Close() })
 	return &metadata.Client{BaseURL: "http://" + lis.Addr().String(), LocalAddr: n.Addr}
 }

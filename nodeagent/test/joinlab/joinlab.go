@@ -111,9 +111,12 @@ func New(t testing.TB, opts ...Option) *Lab {
 		t.Fatal(err)
 	}
 	cert := l.ServerCert(l.JoinCA)
-	srv := grpc.NewServer(rpc.ServerOptions(cert)...)
+	// The production listener and its limits (admission by instance record, one exchange per connection),
+	// with room for the two connections some attacks hold at once, while the server may not yet have seen
+	// the previous test's close.
+	srv := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterJoinServiceServer(srv, l.Service)
-	go srv.Serve(joinLis)
+	go srv.Serve(l.Service.Listen(joinLis, 64, 4))
 	t.Cleanup(srv.Stop)
 	return l
 }

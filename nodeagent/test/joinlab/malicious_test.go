@@ -2,8 +2,14 @@ package joinlab
 
 import (
 	"bytes"
+	"cmp"
 	"context"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -41,8 +47,9 @@ type attack struct {
 	// renew asks for a renewed kubelet certificate instead of a ticket.
 	renew bool
 	disk  string
-	role  string
-	csr   []byte
+	// role and name are what the node says it is; its own by default.
+	role, name string
+	csr        []byte
 	// evidence replaces the honest evidence made for the stream's nonce.
 	evidence func(t *testing.T, nonce []byte) *berthv1.Evidence
 	// first replaces the whole first message.
@@ -135,9 +142,11 @@ func (a attack) run(t *testing.T, lab *Lab) (*berthv1.JoinServerMessage, error) 
 		if disk == "" {
 			disk = newUUID(t)
 		}
+		role, name := cmp.Or(a.role, string(a.node.Role)), cmp.Or(a.name, a.node.Name)
 		first = func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
 			if a.rejoin {
-				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{Evidence: ev, DiskUuid: disk}}}
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{
+					Evidence: ev, DiskUuid: disk, Role: role, NodeName: name}}}
 			}
 			csr := a.csr
 			if csr == nil {
@@ -145,14 +154,10 @@ func (a attack) run(t *testing.T, lab *Lab) (*berthv1.JoinServerMessage, error) 
 			}
 			if a.renew {
 				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Renew{Renew: &berthv1.RenewRequest{
-					Evidence: ev, DiskUuid: disk, KubeletCsr: csr}}}
-			}
-			role := a.role
-			if role == "" {
-				role = string(a.node.Role)
+					Evidence: ev, DiskUuid: disk, KubeletCsr: csr, Role: role, NodeName: name}}}
 			}
 			return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
-				Evidence: ev, DiskUuid: disk, KubeletCsr: csr, Role: role}}}
+				Evidence: ev, DiskUuid: disk, KubeletCsr: csr, Role: role, NodeName: name}}}
 		}
 	}
 	if err := st.Send(first(ev)); err != nil {
@@ -194,6 +199,53 @@ func newUUID(t *testing.T) string {
 // honestCSR is the CSR an honest kubelet of n sends.
 func honestCSR(t *testing.T, n *Node) []byte {
 	return csrFor(t, "system:node:"+n.Name, []string{"system:nodes"}, []net.IP{n.Addr.AsSlice()}, nil)
+}
+
+// csrWithKey is the CSR an honest kubelet of n would send, on key.
+func csrWithKey(t *testing.T, n *Node, key crypto.Signer) []byte {
+	t.Helper()
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{
+		Subject:     pkix.Name{CommonName: "system:node:" + n.Name, Organization: []string{"system:nodes"}},
+		IPAddresses: []net.IP{n.Addr.AsSlice()},
+	}, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return der
+}
+
+// badSignature is der with its signature's last byte flipped, which keeps the DER well formed.
+func badSignature(der []byte) []byte {
+	der = bytes.Clone(der)
+	der[len(der)-1] ^= 1
+	return der
+}
+
+func rsaKey(t *testing.T, bits int) crypto.Signer {
+	t.Helper()
+	k, err := rsa.GenerateKey(rand.Reader, bits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func ecKey(t *testing.T, c elliptic.Curve) crypto.Signer {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(c, rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func ed25519Key(t *testing.T) crypto.Signer {
+	t.Helper()
+	_, k, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }
 
 func csrFor(t *testing.T, cn string, org []string, ips []net.IP, dns []string) []byte {
@@ -322,7 +374,24 @@ func TestMaliciousJoin(t *testing.T) {
 				ev.QuoteSignature[len(ev.QuoteSignature)-1] ^= 1
 				return ev
 			}}},
-		{name: "no instance record for the address", attack: attack{node: stranger}, code: codes.PermissionDenied, message: "no instance record"},
+		// Refused before its TLS handshake: the stranger's connection is closed unread.
+		{name: "no instance record for the address", attack: attack{node: stranger}, code: codes.Unavailable},
+		{name: "node that says it is another node (a source-NAT load balancer)", attack: attack{node: worker, name: "worker-2"},
+			code: codes.PermissionDenied, message: "load balancer"},
+		{name: "rejoin as a control-plane node", attack: attack{node: worker, rejoin: true, role: "control-plane"},
+			code: codes.PermissionDenied, message: "instance record says \"worker\""},
+		{name: "renewal in a control-plane node's name", attack: attack{node: worker, renew: true, name: "cp-1"},
+			code: codes.PermissionDenied, message: "load balancer"},
+		{name: "CSR with an oversized RSA key", attack: attack{node: worker, csr: csrWithKey(t, worker, rsaKey(t, 4104))},
+			code: codes.InvalidArgument, message: "RSA key of 4104 bits"},
+		{name: "CSR with an RSA key too small", attack: attack{node: worker, csr: csrWithKey(t, worker, rsaKey(t, 1024))},
+			code: codes.InvalidArgument, message: "RSA key of 1024 bits"},
+		{name: "CSR with an Ed25519 key", attack: attack{node: worker, csr: csrWithKey(t, worker, ed25519Key(t))},
+			code: codes.InvalidArgument, message: "ed25519"},
+		{name: "CSR on the P-224 curve", attack: attack{node: worker, csr: csrWithKey(t, worker, ecKey(t, elliptic.P224()))},
+			code: codes.InvalidArgument, message: "P-224"},
+		{name: "CSR whose signature does not verify", attack: attack{node: worker, csr: badSignature(honestCSR(t, worker))},
+			code: codes.PermissionDenied, message: "signature"},
 		{name: "CSR for another node's name", code: codes.PermissionDenied, message: "CN",
 			attack: attack{node: worker, csr: csrFor(t, "system:node:worker-2", []string{"system:nodes"}, []net.IP{worker.Addr.AsSlice()}, nil)}},
 		{name: "CSR with an extra DNS SAN", code: codes.PermissionDenied, message: "DNS",
@@ -343,12 +412,13 @@ func TestMaliciousJoin(t *testing.T) {
 		{name: "rejoin for a disk that never joined", attack: attack{node: worker, rejoin: true}, code: codes.FailedPrecondition, message: "never joined"},
 		{name: "rejoin request on the join call", code: codes.InvalidArgument, message: "join request",
 			attack: attack{node: worker, first: func(ev *berthv1.Evidence) *berthv1.JoinClientMessage {
-				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{Evidence: ev, DiskUuid: claimed}}}
+				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Rejoin{Rejoin: &berthv1.RejoinRequest{
+					Evidence: ev, DiskUuid: claimed, Role: "worker", NodeName: worker.Name}}}
 			}}},
 		{name: "request without evidence", code: codes.InvalidArgument, message: "no evidence",
 			attack: attack{node: worker, first: func(*berthv1.Evidence) *berthv1.JoinClientMessage {
 				return &berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{
-					DiskUuid: newUUID(t), KubeletCsr: honestCSR(t, worker), Role: "worker"}}}
+					DiskUuid: newUUID(t), KubeletCsr: honestCSR(t, worker), Role: "worker", NodeName: worker.Name}}}
 			}}},
 		{name: "oversized message", code: codes.ResourceExhausted,
 			attack: attack{node: worker, csr: bytes.Repeat([]byte{0x30}, rpc.MaxMessageSize+1), unboundedSend: true}},
@@ -372,6 +442,7 @@ func TestMaliciousJoin(t *testing.T) {
 		})
 	}
 
+	lab.connectionAttacks(t, worker)
 	lab.initAttacks(t)
 
 	t.Run("control-plane files go only to control-plane nodes", func(t *testing.T) {

@@ -51,6 +51,8 @@ type Host struct {
 	t   testing.TB
 	dir string
 	API *kubetest.APIServer
+	// JoinAddr is host:port of the join service.
+	JoinAddr string
 
 	agentBin string
 	config   string
@@ -67,7 +69,9 @@ func NewHost(t testing.TB, tpms int) *Host {
 	t.Helper()
 	h := &Host{t: t, dir: t.TempDir()}
 	h.API = kubetest.Start(t)
-	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: uint16(kubetest.FreePort(t)), KubernetesCA: h.API.CA})
+	port := uint16(kubetest.FreePort(t))
+	h.JoinAddr = netip.AddrPortFrom(clustertest.ServiceAddr, port).String()
+	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA})
 	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
 
 	var wg sync.WaitGroup
