@@ -320,7 +320,7 @@ func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.
 func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
 	srv, err := initserver.New(initserver.Config{
 		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
-		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint()}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
+		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint(), inst: &self.Instance}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
 			Kubelet: kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
@@ -371,6 +371,7 @@ type clusterRecorder struct {
 	a        *Agent
 	log      *slog.Logger
 	disk, ek string
+	inst     *metadata.Instance
 }
 
 func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Info) error {
@@ -382,7 +383,7 @@ func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Inf
 	defer cancel()
 	disks := &joinservice.KubeDisks{Client: kube}
 	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error {
-		if err := disks.Claim(ctx, r.disk, r.ek); err != nil {
+		if err := disks.Claim(ctx, r.disk, r.ek, r.inst); err != nil {
 			return err
 		}
 		if _, err := joinservice.RemoveBootstrapAutoApproval(ctx, kube); err != nil {

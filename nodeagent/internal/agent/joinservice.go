@@ -102,7 +102,6 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		Verifier:          verifier,
 		Instances:         a.records,
 		Tokens:            &joinservice.KubeTokens{Client: kube},
-		Disks:             &joinservice.KubeDisks{Client: kube},
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
 		KubernetesCA:      kubeCA,
@@ -156,6 +155,9 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 		}()
 	}
 	cfg.Policy = store
+	disks := &joinservice.KubeDisks{Client: s.kube}
+	cfg.Disks = disks
+	go collectDiskRecords(ctx, disks, cfg.Instances, s.log)
 	svc, err := joinservice.New(cfg)
 	if err != nil {
 		return err
@@ -305,5 +307,30 @@ func removeBootstrapAutoApproval(ctx context.Context, kube kubernetes.Interface,
 	}, nil)
 	if err != nil && ctx.Err() == nil {
 		log.Error("removing kubeadm's auto-approval of bootstrap tokens' node certificates", "error", err)
+	}
+}
+
+// diskRecordSweep is how often a join service looks for the disk records of instances that are gone.
+const diskRecordSweep = 10 * time.Minute
+
+// collectDiskRecords removes, every diskRecordSweep until ctx ends, the disk records of instances that have
+// been gone for joinservice.DefaultRetention. Every join service sweeps; removing a record twice is harmless.
+func collectDiskRecords(ctx context.Context, disks *joinservice.KubeDisks, lookup joinservice.InstanceLookup, log *slog.Logger) {
+	t := time.NewTicker(diskRecordSweep)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		removed, err := disks.Collect(ctx, lookup, joinservice.DefaultRetention, time.Now())
+		if len(removed) > 0 {
+			log.Info("removed the disk records of instances gone for longer than the retention",
+				"disks", removed, "retention", joinservice.DefaultRetention.String())
+		}
+		if err != nil && ctx.Err() == nil {
+			log.Warn("collecting disk records", "error", err)
+		}
 	}
 }

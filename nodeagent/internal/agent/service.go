@@ -216,7 +216,6 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	}, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         instances,
-		Disks:             &joinservice.KubeDisks{Client: kube},
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
 		KubernetesCA:      kubeCA,

@@ -2,6 +2,8 @@ package joinservice
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -16,6 +18,7 @@ import (
 	bootstraputil "k8s.io/cluster-bootstrap/token/util"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/metadata"
 )
 
 // Namespace holds the objects the join service writes: where kubeadm keeps its bootstrap tokens.
@@ -30,8 +33,9 @@ type KubeTokens struct {
 	Clock  func() time.Time
 }
 
-// Issue creates a token that expires after ttl; the token controller deletes it then.
-func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration) (string, time.Time, error) {
+// Issue creates a token for node that expires after ttl (the token controller deletes it then), and deletes
+// the node's earlier tokens.
+func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration, node string) (string, time.Time, error) {
 	token, err := bootstraputil.GenerateBootstrapToken()
 	if err != nil {
 		return "", time.Time{}, err
@@ -43,8 +47,9 @@ func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration) (string, time
 	}
 	expires := now().Add(ttl).UTC().Truncate(time.Second)
 	s := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: bootstraputil.BootstrapTokenSecretName(id), Namespace: Namespace},
-		Type:       bootstrapapi.SecretTypeBootstrapToken,
+		ObjectMeta: metav1.ObjectMeta{Name: bootstraputil.BootstrapTokenSecretName(id), Namespace: Namespace,
+			Labels: instanceLabels(node), Annotations: map[string]string{instanceNameAnnotation: node}},
+		Type: bootstrapapi.SecretTypeBootstrapToken,
 		StringData: map[string]string{
 			bootstrapapi.BootstrapTokenIDKey:               id,
 			bootstrapapi.BootstrapTokenSecretKey:           secret,
@@ -55,8 +60,18 @@ func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration) (string, time
 			bootstrapapi.BootstrapTokenExtraGroupsKey:      nodeBootstrapGroup,
 		},
 	}
-	if _, err := k.Client.CoreV1().Secrets(Namespace).Create(ctx, s, metav1.CreateOptions{}); err != nil {
+	created, err := k.Client.CoreV1().Secrets(Namespace).Create(ctx, s, metav1.CreateOptions{})
+	if err != nil {
 		return "", time.Time{}, fmt.Errorf("creating bootstrap token secret: %w", err)
+	}
+	// A token left behind lives until it expires; the ticket goes out either way.
+	older, err := k.Client.CoreV1().Secrets(Namespace).List(ctx, instanceSelector(node))
+	if err == nil {
+		for _, o := range older.Items {
+			if o.Name != created.Name {
+				k.Client.CoreV1().Secrets(Namespace).Delete(ctx, o.Name, metav1.DeleteOptions{})
+			}
+		}
 	}
 	return token, expires, nil
 }
@@ -69,30 +84,72 @@ type KubeDisks struct {
 
 const diskOwnerKey = "ek-sha256"
 
-func diskObjectName(disk string) string { return "berth-disk-" + disk }
+const diskObjectPrefix = "berth-disk-"
+
+func diskObjectName(disk string) string { return diskObjectPrefix + disk }
+
+// The records of a node: its disks and its bootstrap tokens. Node names may be longer than a label value,
+// so the label holds a hash; the annotation the name.
+const (
+	instanceLabel               = "berth.dev/instance"
+	instanceNameAnnotation      = "berth.dev/instance-name"
+	instanceAddressesAnnotation = "berth.dev/instance-addresses"
+	absentSinceAnnotation       = "berth.dev/instance-absent-since"
+)
+
+func instanceLabels(node string) map[string]string {
+	sum := sha256.Sum256([]byte(node))
+	return map[string]string{instanceLabel: hex.EncodeToString(sum[:16])}
+}
+
+func instanceSelector(node string) metav1.ListOptions {
+	return metav1.ListOptions{LabelSelector: instanceLabel + "=" + instanceLabels(node)[instanceLabel]}
+}
 
 // Claim implements DiskRegistry.
-func (k *KubeDisks) Claim(ctx context.Context, disk, ek string) error {
+func (k *KubeDisks) Claim(ctx context.Context, disk, ek string, inst *metadata.Instance) error {
+	addrs := make([]string, len(inst.Addresses))
+	for i, a := range inst.Addresses {
+		addrs[i] = a.String()
+	}
+	labels := instanceLabels(inst.Name)
+	labels["app.kubernetes.io/managed-by"] = "berth"
 	cm := &corev1.ConfigMap{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: diskObjectName(disk), Namespace: Namespace,
-			Labels: map[string]string{"app.kubernetes.io/managed-by": "berth"},
+			Name: diskObjectName(disk), Namespace: Namespace, Labels: labels,
+			Annotations: map[string]string{instanceNameAnnotation: inst.Name, instanceAddressesAnnotation: strings.Join(addrs, ",")},
 		},
 		Data: map[string]string{diskOwnerKey: ek},
 	}
 	_, err := k.Client.CoreV1().ConfigMaps(Namespace).Create(ctx, cm, metav1.CreateOptions{})
-	if err == nil {
-		return nil
-	}
-	if !apierrors.IsAlreadyExists(err) {
+	if apierrors.IsAlreadyExists(err) {
+		owner, err := k.Owner(ctx, disk)
+		if err != nil {
+			return err
+		}
+		if owner != ek {
+			return ErrDiskOwnedByOther
+		}
+	} else if err != nil {
 		return fmt.Errorf("recording owner of disk %s: %w", disk, err)
 	}
-	owner, err := k.Owner(ctx, disk)
+	return k.forgetOtherDisks(ctx, inst.Name, diskObjectName(disk))
+}
+
+// forgetOtherDisks removes the records of node's disks other than keep.
+func (k *KubeDisks) forgetOtherDisks(ctx context.Context, node, keep string) error {
+	records, err := k.Client.CoreV1().ConfigMaps(Namespace).List(ctx, instanceSelector(node))
 	if err != nil {
-		return err
+		return fmt.Errorf("listing the disk records of %s: %w", node, err)
 	}
-	if owner != ek {
-		return ErrDiskOwnedByOther
+	for _, r := range records.Items {
+		if r.Name == keep || !strings.HasPrefix(r.Name, diskObjectPrefix) {
+			continue
+		}
+		err := k.Client.CoreV1().ConfigMaps(Namespace).Delete(ctx, r.Name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("removing the record of %s's earlier disk %s: %w", node, strings.TrimPrefix(r.Name, diskObjectPrefix), err)
+		}
 	}
 	return nil
 }

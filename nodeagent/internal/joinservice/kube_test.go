@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/metadata"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -42,7 +45,7 @@ func TestKubeTokensIssue(t *testing.T) {
 	tokens := &KubeTokens{Client: client, Clock: func() time.Time { return clock }}
 	ttl := 10 * time.Minute
 
-	token, expires, err := tokens.Issue(context.Background(), ttl)
+	token, expires, err := tokens.Issue(context.Background(), ttl, "worker-1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +89,11 @@ func TestKubeTokensIssue(t *testing.T) {
 		t.Error("description contains the token secret")
 	}
 
-	token2, _, err := tokens.Issue(context.Background(), ttl)
+	// A node that asks again replaces its token; another node's stays.
+	if _, _, err := tokens.Issue(context.Background(), ttl, "worker-2"); err != nil {
+		t.Fatal(err)
+	}
+	token2, _, err := tokens.Issue(context.Background(), ttl, "worker-1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,8 +104,13 @@ func TestKubeTokensIssue(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(list.Items) != 2 {
-		t.Errorf("%d secrets after two tokens, want 2", len(list.Items))
+	var nodes []string
+	for _, s := range list.Items {
+		nodes = append(nodes, s.Annotations["berth.dev/instance-name"]+"="+secretData(&s)[bootstrapapi.BootstrapTokenIDKey])
+	}
+	id2, _, _ := strings.Cut(token2, ".")
+	if len(list.Items) != 2 || !slices.Contains(nodes, "worker-1="+id2) {
+		t.Errorf("tokens after worker-1 asked twice and worker-2 once: %v, want worker-1's second and worker-2's", nodes)
 	}
 }
 
@@ -107,7 +119,7 @@ func TestKubeTokensIssueCreateFails(t *testing.T) {
 	client.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, "x", errors.New("RBAC"))
 	})
-	token, _, err := (&KubeTokens{Client: client}).Issue(context.Background(), time.Minute)
+	token, _, err := (&KubeTokens{Client: client}).Issue(context.Background(), time.Minute, "worker-1")
 	if err == nil || !strings.Contains(err.Error(), "creating bootstrap token secret") || !apierrors.IsForbidden(err) {
 		t.Fatalf("Issue = %q, %v; want the wrapped Forbidden error", token, err)
 	}
@@ -123,6 +135,11 @@ const (
 	ekBob     = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
 )
 
+// instanceFor is the instance of the machine with ek: one machine per TPM in these tests.
+func instanceFor(ek string) *metadata.Instance {
+	return &metadata.Instance{Name: "node-" + ek[:8], Role: metadata.RoleWorker, Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}
+}
+
 func TestKubeDisksClaimAndOwner(t *testing.T) {
 	ctx := context.Background()
 	client := fake.NewClientset()
@@ -131,19 +148,19 @@ func TestKubeDisksClaimAndOwner(t *testing.T) {
 	if owner, err := disks.Owner(ctx, testDisk); !errors.Is(err, ErrDiskUnknown) {
 		t.Fatalf("Owner of an unknown disk = %q, %v; want ErrDiskUnknown", owner, err)
 	}
-	if err := disks.Claim(ctx, testDisk, ekAlice); err != nil {
+	if err := disks.Claim(ctx, testDisk, ekAlice, instanceFor(ekAlice)); err != nil {
 		t.Fatalf("first claim: %v", err)
 	}
-	if err := disks.Claim(ctx, testDisk, ekAlice); err != nil {
+	if err := disks.Claim(ctx, testDisk, ekAlice, instanceFor(ekAlice)); err != nil {
 		t.Errorf("the owner claiming again: %v", err)
 	}
-	if err := disks.Claim(ctx, testDisk, ekBob); !errors.Is(err, ErrDiskOwnedByOther) {
+	if err := disks.Claim(ctx, testDisk, ekBob, instanceFor(ekBob)); !errors.Is(err, ErrDiskOwnedByOther) {
 		t.Errorf("another TPM claiming: %v, want ErrDiskOwnedByOther", err)
 	}
 	if owner, err := disks.Owner(ctx, testDisk); err != nil || owner != ekAlice {
 		t.Errorf("Owner = %q, %v; want alice", owner, err)
 	}
-	if err := disks.Claim(ctx, otherDisk, ekBob); err != nil {
+	if err := disks.Claim(ctx, otherDisk, ekBob, instanceFor(ekBob)); err != nil {
 		t.Errorf("bob claiming another disk: %v", err)
 	}
 	if owner, err := disks.Owner(ctx, otherDisk); err != nil || owner != ekBob {
@@ -169,7 +186,7 @@ func TestKubeDisksRace(t *testing.T) {
 		for i := range racers {
 			wg.Go(func() {
 				start.Wait()
-				errs[i] = disks.Claim(context.Background(), testDisk, fmt.Sprintf("%064x", i))
+				errs[i] = disks.Claim(context.Background(), testDisk, fmt.Sprintf("%064x", i), instanceFor(fmt.Sprintf("%064x", i)))
 			})
 		}
 		start.Done()
@@ -202,7 +219,7 @@ func TestKubeDisksAPIErrors(t *testing.T) {
 	client.PrependReactor("create", "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, unavailable
 	})
-	if err := (&KubeDisks{Client: client}).Claim(ctx, testDisk, ekAlice); !apierrors.IsServiceUnavailable(err) {
+	if err := (&KubeDisks{Client: client}).Claim(ctx, testDisk, ekAlice, instanceFor(ekAlice)); !apierrors.IsServiceUnavailable(err) {
 		t.Errorf("Claim with a failing create: %v, want the API error", err)
 	}
 
@@ -214,11 +231,11 @@ func TestKubeDisksAPIErrors(t *testing.T) {
 	if _, err := disks.Owner(ctx, testDisk); !apierrors.IsServiceUnavailable(err) || errors.Is(err, ErrDiskUnknown) {
 		t.Errorf("Owner with a failing get: %v, want the API error and not ErrDiskUnknown", err)
 	}
-	if err := disks.Claim(ctx, testDisk, ekAlice); err != nil {
+	if err := disks.Claim(ctx, testDisk, ekAlice, instanceFor(ekAlice)); err != nil {
 		t.Fatalf("first claim: %v", err)
 	}
 	// The disk exists now: a second claim must read the owner, and must not succeed when it cannot.
-	if err := disks.Claim(ctx, testDisk, ekBob); err == nil || errors.Is(err, ErrDiskOwnedByOther) {
+	if err := disks.Claim(ctx, testDisk, ekBob, instanceFor(ekBob)); err == nil || errors.Is(err, ErrDiskOwnedByOther) {
 		t.Errorf("Claim with a failing get: %v, want the API error", err)
 	}
 }
@@ -321,4 +338,112 @@ func TestRemoveBootstrapAutoApproval(t *testing.T) {
 	if len(left.Items) != 1 || left.Items[0].Name != rotation.Name {
 		t.Fatalf("bindings left %v, want only the certificate-rotation one", left.Items)
 	}
+}
+
+func diskRecords(t *testing.T, client *fake.Clientset) []string {
+	t.Helper()
+	list, err := client.CoreV1().ConfigMaps(metav1.NamespaceSystem).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, cm := range list.Items {
+		names = append(names, strings.TrimPrefix(cm.Name, "berth-disk-"))
+	}
+	slices.Sort(names)
+	return names
+}
+
+// TestKubeDisksOneRecordPerInstance: a node that joins again with a fresh disk (it crashed before its key
+// swap, and formatted anew) replaces its record; other nodes' records stay.
+func TestKubeDisksOneRecordPerInstance(t *testing.T) {
+	ctx := context.Background()
+	client := fake.NewClientset()
+	disks := &KubeDisks{Client: client}
+	w1 := &metadata.Instance{Name: "worker-1", Role: metadata.RoleWorker, Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}
+	w2 := &metadata.Instance{Name: "worker-2", Role: metadata.RoleWorker, Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.6")}}
+	third := "9e8d7c6b-5a49-4382-a716-0f1e2d3c4b5a"
+	for _, c := range []struct {
+		disk, ek string
+		inst     *metadata.Instance
+	}{{testDisk, ekAlice, w1}, {otherDisk, ekBob, w2}, {third, ekAlice, w1}} {
+		if err := disks.Claim(ctx, c.disk, c.ek, c.inst); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, want := diskRecords(t, client), []string{otherDisk, third}; !slices.Equal(got, want) {
+		t.Fatalf("records %v, want %v: worker-1's second disk replaces its first", got, want)
+	}
+	if _, err := disks.Owner(ctx, testDisk); !errors.Is(err, ErrDiskUnknown) {
+		t.Fatalf("the replaced disk: %v, want ErrDiskUnknown", err)
+	}
+}
+
+// fixedLookup finds the instances it holds, by address.
+type fixedLookup map[netip.Addr]string
+
+func (f fixedLookup) InstanceByAddress(_ context.Context, a netip.Addr) (*metadata.Instance, error) {
+	name, ok := f[a]
+	if !ok {
+		return nil, metadata.ErrNotFound
+	}
+	return &metadata.Instance{Name: name, Role: metadata.RoleWorker, Addresses: []netip.Addr{a}}, nil
+}
+
+func TestKubeDisksCollect(t *testing.T) {
+	ctx := context.Background()
+	client := fake.NewClientset()
+	disks := &KubeDisks{Client: client}
+	a5, a6 := netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("10.0.0.6")
+	for disk, inst := range map[string]*metadata.Instance{
+		testDisk:  {Name: "worker-1", Addresses: []netip.Addr{a5}},
+		otherDisk: {Name: "worker-2", Addresses: []netip.Addr{a6}},
+	} {
+		if err := disks.Claim(ctx, disk, ekAlice, inst); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	retention := time.Hour
+	sweep := func(lookup InstanceLookup, at time.Duration) []string {
+		t.Helper()
+		removed, err := disks.Collect(ctx, lookup, retention, now.Add(at))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return removed
+	}
+	// worker-2 is gone; worker-1 is stopped for a while (its cloud no longer lists it) and comes back.
+	onlyW1 := fixedLookup{a5: "worker-1"}
+	if removed := sweep(fixedLookup{}, 0); len(removed) != 0 {
+		t.Fatalf("the first sweep that misses them removed %v; it only marks", removed)
+	}
+	if removed := sweep(onlyW1, 30*time.Minute); len(removed) != 0 {
+		t.Fatalf("a sweep within the retention removed %v", removed)
+	}
+	// Another instance now has worker-2's address: worker-2 is still gone.
+	if removed := sweep(fixedLookup{a5: "worker-1", a6: "worker-9"}, 2*time.Hour); !slices.Equal(removed, []string{otherDisk}) {
+		t.Fatalf("after the retention: removed %v, want worker-2's disk only", removed)
+	}
+	if got := diskRecords(t, client); !slices.Equal(got, []string{testDisk}) {
+		t.Fatalf("records left %v", got)
+	}
+	// worker-1 came back before its retention ended: its mark is gone, and a later absence starts anew.
+	if removed := sweep(fixedLookup{}, 3*time.Hour); len(removed) != 0 {
+		t.Fatalf("removed %v: worker-1's absence must count from its new mark", removed)
+	}
+
+	failing := lookupFunc(func(context.Context, netip.Addr) (*metadata.Instance, error) { return nil, errors.New("API down") })
+	if _, err := disks.Collect(ctx, failing, retention, now.Add(10*time.Hour)); err == nil {
+		t.Fatal("a failing lookup gave no error")
+	}
+	if got := diskRecords(t, client); !slices.Equal(got, []string{testDisk}) {
+		t.Fatalf("a failing lookup removed records: %v left", got)
+	}
+}
+
+type lookupFunc func(context.Context, netip.Addr) (*metadata.Instance, error)
+
+func (f lookupFunc) InstanceByAddress(ctx context.Context, a netip.Addr) (*metadata.Instance, error) {
+	return f(ctx, a)
 }

@@ -41,13 +41,18 @@ type InstanceLookup interface {
 
 // TokenIssuer creates short-lived kubeadm bootstrap tokens.
 type TokenIssuer interface {
-	Issue(ctx context.Context, ttl time.Duration) (token string, expires time.Time, err error)
+	// Issue creates a token for node that expires after ttl, and deletes node's earlier tokens: a node
+	// joins with one, so asking again never leaves more than one behind.
+	Issue(ctx context.Context, ttl time.Duration, node string) (token string, expires time.Time, err error)
 }
 
 // DiskRegistry remembers which TPM first received each disk's key.
 type DiskRegistry interface {
-	// Claim records ek as the owner of disk, or succeeds if ek owns it already; ErrDiskOwnedByOther otherwise.
-	Claim(ctx context.Context, disk, ek string) error
+	// Claim records ek as the owner of disk, the state disk of inst, or succeeds if ek owns it already;
+	// ErrDiskOwnedByOther otherwise. A node has one state disk at a time: once disk is inst's, the records
+	// of inst's earlier disks are removed, so a node that joins again with a fresh disk replaces its record
+	// instead of adding one.
+	Claim(ctx context.Context, disk, ek string, inst *metadata.Instance) error
 	// Owner is the TPM that first received disk's key; ErrDiskUnknown if none did.
 	Owner(ctx context.Context, disk string) (string, error)
 }
@@ -209,7 +214,7 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 		return s.refuse(ex.log, codes.PermissionDenied, "role refused",
 			fmt.Errorf("this join service joins workers to an external control plane; the instance record says %q", ex.instance.Role))
 	}
-	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek); {
+	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek, ex.instance); {
 	case errors.Is(err, ErrDiskOwnedByOther):
 		return s.refuse(ex.log, codes.PermissionDenied, "disk refused", err)
 	case err != nil:
@@ -449,7 +454,7 @@ func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.Certifi
 		return ticket, nil
 	}
 	// The token is made last so that no failure above leaves one behind unused.
-	token, expires, err := s.cfg.Tokens.Issue(ctx, s.cfg.TokenTTL)
+	token, expires, err := s.cfg.Tokens.Issue(ctx, s.cfg.TokenTTL, ex.instance.Name)
 	if err != nil {
 		return nil, fmt.Errorf("creating bootstrap token: %w", err)
 	}

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/backoff"
@@ -33,6 +34,7 @@ import (
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 	"github.com/berthlabs/berth/test/clustertest"
@@ -442,6 +444,35 @@ func TestMaliciousJoin(t *testing.T) {
 		})
 	}
 
+	t.Run("repeated join with a fresh disk replaces the first", func(t *testing.T) {
+		first, second := newUUID(t), newUUID(t)
+		for _, disk := range []string{first, second} {
+			if msg, err := (attack{node: worker, disk: disk}).run(t, lab); err != nil || msg.GetJoinTicket() == nil {
+				t.Fatalf("join with disk %s: %v", disk, err)
+			}
+		}
+		_, err := (attack{node: worker, rejoin: true, disk: first}).run(t, lab)
+		if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "never joined") {
+			t.Fatalf("rejoin for the replaced disk: %v, want it unknown", err)
+		}
+		if msg, err := (attack{node: worker, rejoin: true, disk: second}).run(t, lab); err != nil || msg.GetRejoinTicket() == nil {
+			t.Fatalf("rejoin for the current disk: %v", err)
+		}
+		ctx := context.Background()
+		disks, err := lab.Kube.CoreV1().ConfigMaps(joinservice.Namespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tokens, err := lab.Kube.CoreV1().Secrets(joinservice.Namespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for what, n := range map[string]int{"disk records": countFor(disks.Items, worker.Name), "bootstrap tokens": countFor(tokens.Items, worker.Name)} {
+			if n != 1 {
+				t.Errorf("worker-1 has %d %s after joining again, want 1", n, what)
+			}
+		}
+	})
 	lab.connectionAttacks(t, worker)
 	lab.initAttacks(t)
 
@@ -513,4 +544,18 @@ func (l *Lab) addForeignNode(t *testing.T, other *swtpmtest.CA, name string) *No
 	l.EKCA = other
 	defer func() { l.EKCA = saved }()
 	return l.AddNode(name, metadata.RoleWorker)
+}
+
+// countFor counts the objects that name node as their instance.
+func countFor[T any, P interface {
+	*T
+	GetAnnotations() map[string]string
+}](items []T, node string) int {
+	n := 0
+	for i := range items {
+		if P(&items[i]).GetAnnotations()["berth.dev/instance-name"] == node {
+			n++
+		}
+	}
+	return n
 }

@@ -341,7 +341,25 @@ func (h *Host) checkAgents(t *testing.T, agents []*Agent) {
 			t.Errorf("bootstrap token %s lives %v, longer than its TTL %v", s.Name, life, tokenTTL)
 		}
 	}
-	t.Logf("%d agents joined; %d bootstrap tokens, none living longer than %v", len(agents), len(secrets.Items), tokenTTL)
+	// A node that joined again (a crash between its ticket and its key swap formats a fresh disk) replaced
+	// its record and its token: one of each per node at most.
+	records, err := h.API.Client.CoreV1().ConfigMaps(joinservice.Namespace).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	perNode := map[string]int{}
+	for _, r := range records.Items {
+		perNode["disk record of "+r.Annotations["berth.dev/instance-name"]]++
+	}
+	for _, s := range secrets.Items {
+		perNode["bootstrap token of "+s.Annotations["berth.dev/instance-name"]]++
+	}
+	for what, n := range perNode {
+		if n > 1 && !strings.HasSuffix(what, " of ") {
+			t.Errorf("%d of the %s", n, what)
+		}
+	}
+	t.Logf("%d agents joined; %d bootstrap tokens, none living longer than %v; %d disk records", len(agents), len(secrets.Items), tokenTTL, len(records.Items))
 }
 
 // crashAndReboot boots a failpoint build of berth-agent as a worker that dies at point, boots it again
