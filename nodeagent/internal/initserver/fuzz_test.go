@@ -2,18 +2,30 @@ package initserver
 
 import (
 	"bytes"
+	"context"
+	"encoding/base64"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/rpc/rpctest"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"golang.org/x/crypto/argon2"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // CA material a fuzzed request carries, chosen by a fuzzed byte.
@@ -204,4 +216,135 @@ func validateAndPlan(req *berthv1.InitRequest, inst metadata.Instance, disk keys
 		return nil, err
 	}
 	return planInit(checked, inst, disk, base)
+}
+
+// cannedProver answers as a TPM would without being one: the init server's handler takes its evidence and
+// activation on trust, since the client checks them.
+type cannedProver struct{}
+
+func (cannedProver) Evidence([]byte, []int) (*berthv1.Evidence, error) {
+	return &berthv1.Evidence{Quote: []byte("quote")}, nil
+}
+
+func (cannedProver) Activate(*berthv1.ActivationChallenge) ([]byte, error) {
+	return make([]byte, 32), nil
+}
+
+// lockTaken is a node lock someone else holds: an exchange that gets this far has been checked in full and
+// changes nothing.
+type lockTaken struct{}
+
+func (lockTaken) TryLock(string) bool { return false }
+
+// beyondTheLock is everything the server uses only after it took the node lock; with lockTaken it is never
+// reached, and says so if it is.
+type beyondTheLock struct{}
+
+var errBeyondTheLock = errors.New("reached past a node lock that was taken")
+
+func (beyondTheLock) SetKey(context.Context, []byte, []byte) error          { return errBeyondTheLock }
+func (beyondTheLock) Init(context.Context, string, func(string)) error      { return errBeyondTheLock }
+func (beyondTheLock) Join(context.Context, string, func(string)) error      { return errBeyondTheLock }
+func (beyondTheLock) RecordCluster(context.Context, clusterinfo.Info) error { return errBeyondTheLock }
+
+// cheapHash is the argon2id PHC string of secret with the smallest parameters the server accepts, so that
+// fuzzing reaches past the secret check thousands of times a second.
+func cheapHash(secret, salt []byte) string {
+	enc := base64.RawStdEncoding
+	return fmt.Sprintf("$argon2id$v=19$m=8,t=1,p=1$%s$%s", enc.EncodeToString(salt), enc.EncodeToString(argon2.IDKey(secret, salt, 1, 8, 1, 32)))
+}
+
+// FuzzInit feeds the init handler what arrives on the wire: three fuzzed messages, decoded as gRPC's codec
+// decodes them (hello, challenge, request). Before the init secret is checked every answer is the one
+// "init refused"; after it, a request is refused with its reason or, checked in full, meets the node lock,
+// which is taken. Nothing else may come back, and no answer repeats the request's secrets.
+func FuzzInit(f *testing.F) {
+	now := time.Now()
+	secret := []byte("the init secret of this fuzz target")
+	newCA := func(name string) (cert, key []byte) {
+		ca, err := pki.NewCA(name, now, 24*time.Hour)
+		if err != nil {
+			f.Fatal(err)
+		}
+		k, err := ca.KeyPEM()
+		if err != nil {
+			f.Fatal(err)
+		}
+		return ca.CertPEM(), k
+	}
+	kubeCert, kubeKey := newCA("kubernetes")
+	joinCert, joinKey := newCA("berth-join-ca")
+	pol, err := (&policy.Policy{Images: []policy.Image{{Name: "zero", Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker},
+		PCRs: map[int][]byte{7: make([]byte, 32)}}}}).Marshal()
+	if err != nil {
+		f.Fatal(err)
+	}
+	wire := func(m *berthv1.InitClientMessage) []byte {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		return b
+	}
+	hello := wire(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{7}}}})
+	challenge := wire(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Challenge{Challenge: &berthv1.ActivationChallenge{}}})
+	request := &berthv1.InitRequest{
+		InitSecret: secret, MasterSecret: bytes.Repeat([]byte{1}, 32), Salt: bytes.Repeat([]byte{2}, 32),
+		KubernetesCaCertificate: kubeCert, KubernetesCaKey: kubeKey, JoinCaCertificate: joinCert, JoinCaKey: joinKey,
+		ClusterName: "lab", KubernetesVersion: "v1.36.3", JoinPolicy: pol,
+	}
+	f.Add(hello, challenge, wire(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Request{Request: request}}))
+	wrong := proto.Clone(request).(*berthv1.InitRequest)
+	wrong.InitSecret = []byte("wrong")
+	f.Add(hello, challenge, wire(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Request{Request: wrong}}))
+
+	inst := metadata.Instance{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{netip.MustParseAddr("192.0.2.10")}}
+	srv, err := New(Config{
+		Prover: cannedProver{}, Lock: lockTaken{}, Disk: beyondTheLock{}, Kubeadm: beyondTheLock{}, Recorder: beyondTheLock{},
+		Prepared: statedisk.Prepared{UUID: "0f1e2d3c-4b5a-4978-8796-a5b4c3d2e1f0", Fresh: true, InitialKey: make([]byte, 32)},
+		Self:     &metadata.Self{Instance: inst, UserData: metadata.UserData{ClusterName: "lab", InitSecretHash: cheapHash(secret, []byte("saltsaltsaltsalt"))}},
+		Paths:    nodestate.Paths{State: "/var/lib/berth", KubernetesDir: "/etc/kubernetes", KubeletDir: "/var/lib/kubelet"},
+		Timeout:  time.Second,
+	})
+	if err != nil {
+		f.Fatal(err)
+	}
+	ctx := rpctest.PeerContext(f, netip.MustParseAddr("192.0.2.99"))
+
+	f.Fuzz(func(t *testing.T, hello, challenge, request []byte) {
+		var in []*berthv1.InitClientMessage
+		var sent *berthv1.InitRequest
+		for _, w := range [][]byte{hello, challenge, request} {
+			m := &berthv1.InitClientMessage{}
+			if proto.Unmarshal(w, m) != nil {
+				break
+			}
+			in = append(in, m)
+			if r := m.GetRequest(); r != nil && sent == nil {
+				sent = r
+			}
+		}
+		st := &rpctest.Stream[berthv1.InitClientMessage, berthv1.InitServerMessage]{Ctx: ctx, In: in}
+		err := srv.Init(st)
+		s, ok := status.FromError(err)
+		switch {
+		case err == nil:
+			t.Fatal("an init succeeded with the node lock taken")
+		case !ok:
+			t.Fatalf("Init ended with %v, which is no gRPC status", err)
+		case s.Code() == codes.PermissionDenied && s.Message() == "init refused":
+		case s.Code() == codes.InvalidArgument && strings.HasPrefix(s.Message(), "init request refused: "),
+			s.Code() == codes.FailedPrecondition && s.Message() == "node is already a cluster member (or joining)":
+			if sent == nil || !bytes.Equal(sent.InitSecret, secret) {
+				t.Fatalf("%v without the init secret", err)
+			}
+			for _, b := range [][]byte{sent.MasterSecret, sent.Salt, sent.InitSecret} {
+				if len(b) >= 8 && (strings.Contains(s.Message(), string(b)) || strings.Contains(s.Message(), hex.EncodeToString(b))) {
+					t.Fatalf("the refusal %q repeats a secret of the request", s.Message())
+				}
+			}
+		default:
+			t.Fatalf("Init ended with %v", err)
+		}
+	})
 }

@@ -31,7 +31,7 @@ func (noInstances) InstanceByAddress(context.Context, netip.Addr) (*metadata.Ins
 
 func secret(b byte) []byte { return bytes.Repeat([]byte{b}, 32) }
 
-func validConfig(t *testing.T) Config {
+func validConfig(t testing.TB) Config {
 	t.Helper()
 	ca, err := pki.NewCA("kubernetes", time.Now(), time.Hour)
 	if err != nil {

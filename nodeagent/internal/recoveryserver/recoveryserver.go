@@ -100,7 +100,10 @@ func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
 	// within rpc.StepTimeout.
 	hello, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
 	if err != nil {
-		return err
+		return recvErr("hello", err)
+	}
+	if hello.GetHello() == nil {
+		return status.Error(codes.InvalidArgument, "expected a hello")
 	}
 	if !s.slot.Take(ctx, slotWait) {
 		return rpc.ErrBusy
@@ -152,7 +155,7 @@ func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_Recove
 	}
 	msg, err := rpc.RecvWithin(ctx, st, rpc.StepTimeout)
 	if err != nil {
-		return nil, err
+		return nil, recvErr("activation challenge", err)
 	}
 	if msg.GetChallenge() == nil {
 		return nil, status.Error(codes.InvalidArgument, "expected an activation challenge")
@@ -165,11 +168,20 @@ func (s *Server) exchange(ctx context.Context, st berthv1.RecoveryService_Recove
 		return nil, err
 	}
 	if msg, err = rpc.RecvWithin(ctx, st, rpc.StepTimeout); err != nil {
-		return nil, err
+		return nil, recvErr("disk key", err)
 	}
 	key := msg.GetKey().GetDiskKey()
 	if len(key) < luks.MinKeySize || len(key) > luks.MaxKeySize {
 		return nil, status.Errorf(codes.InvalidArgument, "expected a disk key of %d to %d bytes", luks.MinKeySize, luks.MaxKeySize)
 	}
 	return key, nil
+}
+
+// recvErr is the status of a failed receive of what: the stream's own (a deadline, a cancellation), or, when
+// the client ended its side early, a refusal that says what was missing.
+func recvErr(what string, err error) error {
+	if st, ok := status.FromError(err); ok && st.Code() != codes.Unknown {
+		return err
+	}
+	return status.Errorf(codes.InvalidArgument, "the stream ended before the %s", what)
 }
