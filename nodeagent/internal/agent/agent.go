@@ -338,10 +338,6 @@ func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metad
 	return srv, stop, nil
 }
 
-// initPortSlots bounds the connections served at once on the init port: its servers run one exchange at
-// a time, so a few connections waiting for it are all a legitimate client (Terraform, an operator) needs.
-const initPortSlots = 8
-
 // serveOnInitPort serves what register registers on the init port, with a certificate no one pins (the
 // clients authenticate the node by attestation), one exchange of at most exchange per connection, and
 // returns how to stop it, giving running calls grace.
@@ -354,7 +350,7 @@ func (a *Agent) serveOnInitPort(register func(*grpc.Server), exchange, grace tim
 	if err != nil {
 		return nil, err
 	}
-	lis := rpc.Admit(inner, rpc.AdmitConfig{Slots: initPortSlots, Exchange: exchange, Logger: a.log.With("component", "init-port")})
+	lis := initserver.Listen(inner, exchange, a.log.With("component", "init-port"))
 	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	register(gs)
 	go gs.Serve(lis)

@@ -29,6 +29,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -207,6 +208,17 @@ func ServerCredentials() (tls.Certificate, error) {
 		return tls.Certificate{}, fmt.Errorf("init server certificate: %w", err)
 	}
 	return tls.Certificate{Certificate: [][]byte{leaf.Raw, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}, nil
+}
+
+// portSlots bounds the connections served at once on the init port: its servers run one exchange at a
+// time, so a few connections waiting for it are all a legitimate client (Terraform, an operator) needs.
+const portSlots = 8
+
+// Listen wraps the init port's listener inner in its limits: portSlots connections served at once, two per
+// address, each serving one exchange of at most exchange (see docs/agent.md, Limits). The init and recovery
+// servers use it.
+func Listen(inner net.Listener, exchange time.Duration, log *slog.Logger) *rpc.AdmitListener {
+	return rpc.Admit(inner, rpc.AdmitConfig{Slots: portSlots, Exchange: exchange, Logger: log})
 }
 
 // certValidity outlasts any wait for the init; clients do not check it.

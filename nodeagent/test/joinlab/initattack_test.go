@@ -2,7 +2,9 @@ package joinlab
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -67,9 +69,10 @@ func (l *Lab) startInitServer(t *testing.T, name string) *initTarget {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gs := grpc.NewServer(rpc.ServerOptions(cert)...)
+	// The init port's listener and limits, as the agent serves it.
+	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterInitServiceServer(gs, srv)
-	go gs.Serve(lis)
+	go gs.Serve(initserver.Listen(lis, time.Minute, slog.New(slog.DiscardHandler)))
 	t.Cleanup(gs.Stop)
 	it.addr = lis.Addr().String()
 	return it
@@ -130,10 +133,18 @@ func (l *Lab) initAttacks(t *testing.T) {
 			t.Fatal("kubeadm init ran for a wrong secret")
 		}
 	})
-	t.Run("second init after the lock", func(t *testing.T) {
-		if _, err := l.initWith(t, it, it.secret); err != nil {
-			t.Fatalf("first init with the right secret: %v", err)
+	t.Run("init while strangers hold silent streams and TLS connections", func(t *testing.T) {
+		// Three addresses, each at the init port's limit of two connections: six of its eight slots.
+		for i := range 3 {
+			from := l.AddUnlistedNode(fmt.Sprintf("init-attacker-%d", i))
+			silentInitStream(t, it.addr, from.Addr)
+			idleTLS(t, it.addr, from.Addr)
 		}
+		if _, err := l.initWith(t, it, it.secret); err != nil {
+			t.Fatalf("init with the right secret while strangers hold the port: %v", err)
+		}
+	})
+	t.Run("second init after the lock", func(t *testing.T) {
 		_, err := l.initWith(t, it, it.secret)
 		st := serverStatus(t, err)
 		if st.Code() != codes.FailedPrecondition {
@@ -144,4 +155,30 @@ func (l *Lab) initAttacks(t *testing.T) {
 			t.Fatalf("kubeadm init ran %d times, want once", it.kubeadm.Inits)
 		}
 	})
+}
+
+// silentInitStream opens an init stream from the loopback address from and sends nothing on it.
+func silentInitStream(t *testing.T, addr string, from netip.Addr) {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, rpc.DialOptions(&tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true}, from)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	if _, err := berthv1.NewInitServiceClient(conn).Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// idleTLS completes a TLS handshake with addr from the loopback address from and then sends nothing.
+func idleTLS(t *testing.T, addr string, from netip.Addr) {
+	t.Helper()
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: from.AsSlice()}, Timeout: 5 * time.Second}
+	c, err := tls.DialWithDialer(d, "tcp", addr, &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true, NextProtos: []string{"h2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
 }
