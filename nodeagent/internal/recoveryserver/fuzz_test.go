@@ -23,7 +23,9 @@ func (cannedProver) Evidence([]byte, []int) (*berthv1.Evidence, error) {
 	return &berthv1.Evidence{Quote: []byte("quote")}, nil
 }
 
-func (cannedProver) Activate(*berthv1.ActivationChallenge) ([]byte, error) { return make([]byte, 32), nil }
+func (cannedProver) Activate(*berthv1.ActivationChallenge) ([]byte, error) {
+	return make([]byte, 32), nil
+}
 
 // keyedDisk opens with one key only.
 type keyedDisk struct{ key []byte }
