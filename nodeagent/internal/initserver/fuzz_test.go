@@ -37,22 +37,25 @@ const (
 	casCount
 )
 
+// fuzzCA is a CA valid for a day from at, as PEM.
+func fuzzCA(f *testing.F, name string, at time.Time) (cert, key []byte) {
+	ca, err := pki.NewCA(name, at, 24*time.Hour)
+	if err != nil {
+		f.Fatal(err)
+	}
+	k, err := ca.KeyPEM()
+	if err != nil {
+		f.Fatal(err)
+	}
+	return ca.CertPEM(), k
+}
+
 // FuzzValidateRequest checks that the request validator never panics, and that whatever it accepts is
 // complete and consistent: keys long enough, the derived disk key and cluster ID those of the request,
 // a kubeadm configuration for the node, and a policy that parses.
 func FuzzValidateRequest(f *testing.F) {
 	now := time.Date(2026, 6, 1, 12, 0, 0, 0, time.UTC)
-	newCA := func(name string, at time.Time) (cert, key []byte) {
-		ca, err := pki.NewCA(name, at, 24*time.Hour)
-		if err != nil {
-			f.Fatal(err)
-		}
-		k, err := ca.KeyPEM()
-		if err != nil {
-			f.Fatal(err)
-		}
-		return ca.CertPEM(), k
-	}
+	newCA := func(name string, at time.Time) (cert, key []byte) { return fuzzCA(f, name, at) }
 	kubeCert, kubeKey := newCA("kubernetes", now)
 	joinCert, joinKey := newCA("berth-join-ca", now)
 	oldCert, oldKey := newCA("old", now.AddDate(0, 0, -2))
@@ -261,19 +264,8 @@ func cheapHash(secret, salt []byte) string {
 func FuzzInit(f *testing.F) {
 	now := time.Now()
 	secret := []byte("the init secret of this fuzz target")
-	newCA := func(name string) (cert, key []byte) {
-		ca, err := pki.NewCA(name, now, 24*time.Hour)
-		if err != nil {
-			f.Fatal(err)
-		}
-		k, err := ca.KeyPEM()
-		if err != nil {
-			f.Fatal(err)
-		}
-		return ca.CertPEM(), k
-	}
-	kubeCert, kubeKey := newCA("kubernetes")
-	joinCert, joinKey := newCA("berth-join-ca")
+	kubeCert, kubeKey := fuzzCA(f, "kubernetes", now)
+	joinCert, joinKey := fuzzCA(f, "berth-join-ca", now)
 	pol, err := (&policy.Policy{Images: []policy.Image{{Name: "zero", Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker},
 		PCRs: map[int][]byte{7: make([]byte, 32)}}}}).Marshal()
 	if err != nil {
