@@ -474,6 +474,7 @@ func TestMaliciousJoin(t *testing.T) {
 		}
 	})
 	lab.connectionAttacks(t, worker)
+	lab.ticketAttacks(t)
 	lab.initAttacks(t)
 
 	t.Run("control-plane files go only to control-plane nodes", func(t *testing.T) {

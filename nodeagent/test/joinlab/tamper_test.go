@@ -52,10 +52,10 @@ func (s tamperingStream) SendMsg(m any) error {
 	return s.ServerStream.SendMsg(m)
 }
 
-// TestAgentRefusesTicketsNotForIt has a worker join through a join service that hands out tickets a worker
-// must never act on. The agent refuses each before it takes its node lock or touches its disk, and says why.
-func TestAgentRefusesTicketsNotForIt(t *testing.T) {
-	lab := New(t)
+// ticketAttacks are TestMaliciousJoin's cases against the agent: a worker joins through a join service that
+// hands out tickets a worker must never act on. The agent refuses each before it takes its node lock or
+// touches its disk, and says why.
+func (l *Lab) ticketAttacks(t *testing.T) {
 	for i, tc := range []struct {
 		name   string
 		tamper func(*berthv1.JoinTicket)
@@ -72,13 +72,13 @@ func TestAgentRefusesTicketsNotForIt(t *testing.T) {
 			tk.ApiServerEndpoint = "https://evil.example.com:6443/path"
 		}, "API server endpoint"},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			addr := tamperingService(t, lab, tc.tamper)
-			n := lab.AddNode(fmt.Sprintf("worker-%d", 10+i), metadata.RoleWorker)
+		t.Run("agent refuses a ticket with "+tc.name, func(t *testing.T) {
+			addr := tamperingService(t, l, tc.tamper)
+			n := l.AddNode(fmt.Sprintf("worker-%d", 10+i), metadata.RoleWorker)
 			logs := &clustertest.SafeBuffer{}
 			lock := &nodestate.Lock{}
 			client := joinclient.New(joinclient.Config{
-				Metadata: metadataPointingTo(lab, n, addr), Prover: n.Prover, Disk: n.Disk, Lock: lock,
+				Metadata: metadataPointingTo(l, n, addr), Prover: n.Prover, Disk: n.Disk, Lock: lock,
 				Kubeadm: &Kubeadm{}, Paths: n.Paths, LocalAddr: n.Addr,
 				Backoff: backoff.Policy{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
 				Logger:  slog.New(slog.NewTextHandler(logs, nil)),
