@@ -360,9 +360,10 @@ func (a *Agent) serveOnInitPort(register func(*grpc.Server), exchange, grace tim
 // clusterRecorder publishes the cluster record right after kubeadm init, records this node's TPM as its
 // disk's owner, as the join service does for every node it keys, so that the node gets rejoin tickets from
 // the control-plane nodes that join after it, and removes kubeadm's auto-approval of bootstrap tokens' node
-// CSRs (joinservice.RemoveBootstrapAutoApproval) before the cluster is handed out. The API server answered kubeadm's last phases a moment ago,
-// so failures are retried only briefly: a node whose records cannot be written fails its init rather than
-// hand out a cluster Terraform could not recognize later, or be a node that can never rejoin.
+// CSRs (joinservice.RemoveBootstrapAutoApproval) before the cluster is handed out. The API server answered
+// kubeadm's last phases a moment ago, so failures are retried only briefly: a node whose records cannot be
+// written fails its init rather than hand out a cluster Terraform could not recognize later, or be a node
+// that can never rejoin.
 type clusterRecorder struct {
 	a        *Agent
 	log      *slog.Logger

@@ -16,13 +16,17 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/test/clustertest"
+	"github.com/berthlabs/berth/test/kubetest"
 )
 
 // Sizes of TestHostileNetwork: the service process runs with GOMAXPROCS 2 on this machine, so it serves 64
@@ -125,6 +129,8 @@ func TestHostileNetwork(t *testing.T) {
 		t.Errorf("the join service's live heap grew by %d MiB under attack", (heapDuring-heapBefore)>>20)
 	}
 
+	t.Run("init server", func(t *testing.T) { h.initUnderAttack(t) })
+
 	// The refusals reach the operator as summaries, by reason.
 	deadline := time.Now().Add(40 * time.Second)
 	for !strings.Contains(svc.Log(), `"msg":"connections refused before their TLS handshake"`) {
@@ -213,4 +219,68 @@ func (h *Host) rejoin(ctx context.Context, i int, w metadata.Instance, disk stri
 func tail(s string, n int) string {
 	lines := strings.Split(strings.TrimSpace(s), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// initUnderAttack starts a real agent process as a fresh control-plane node and initializes the cluster
+// with berth_cluster's client while strangers on three addresses each hold a silent init stream and an idle
+// TLS connection to its init port (six of its eight slots, two per address, the most an address may hold).
+func (h *Host) initUnderAttack(t *testing.T) {
+	repotest.NeedsRoot(t, "the init node's agent formats and keys a LUKS2 state disk")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cp := metadata.Instance{Name: "cp-init", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{netip.MustParseAddr("127.3.0.1")}}
+	h.AddInstances(cp)
+	initAddr := netip.AddrPortFrom(cp.Addresses[0], uint16(kubetest.FreePort(t))).String()
+	if err := h.StartInitNode(ctx, cp, h.EKCA.NewTPM(t), initAddr); err != nil {
+		t.Fatal(err)
+	}
+	anyCert := &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true, NextProtos: []string{"h2"}}
+	for i := range 3 {
+		from := netip.AddrFrom4([4]byte{127, 4, 0, byte(1 + i)})
+		conn, err := grpc.NewClient(initAddr, rpc.DialOptions(anyCert, from)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		if _, err := berthv1.NewInitServiceClient(conn).Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: from.AsSlice()}}
+		c, err := tls.DialWithDialer(d, "tcp", initAddr, anyCert)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+
+	kubeKey, err := h.API.CA.KeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	joinKey, err := h.JoinCA.KeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	expected := map[int][]byte{}
+	for _, i := range clustertest.QuotedPCRs {
+		expected[i] = make([]byte, 32)
+	}
+	start := time.Now()
+	res, err := initclient.Init(ctx, initclient.Config{
+		Endpoint: initAddr, Verifier: attest.NewVerifier(h.EKCA.Roots(), h.EKCA.Intermediates(), nil), ExpectedPCRs: expected,
+		Request: &berthv1.InitRequest{
+			InitSecret: h.InitSecret, MasterSecret: h.Master, Salt: h.Salt,
+			KubernetesCaCertificate: h.API.CA.CertPEM(), KubernetesCaKey: kubeKey,
+			JoinCaCertificate: h.JoinCA.CertPEM(), JoinCaKey: joinKey,
+			ClusterName: "storm", KubernetesVersion: repotest.KubernetesVersion,
+		},
+		Busy: func(attempt int, wait time.Duration) { t.Logf("the init server was busy (attempt %d)", attempt) },
+	})
+	if err != nil {
+		t.Fatalf("init while strangers hold the init port: %v", err)
+	}
+	if len(res.Kubeconfig) == 0 {
+		t.Fatal("the init result has no kubeconfig")
+	}
+	t.Logf("initialized through the held init port in %.1fs", time.Since(start).Seconds())
 }

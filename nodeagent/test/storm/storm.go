@@ -34,6 +34,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
@@ -53,6 +54,8 @@ type Host struct {
 	API *kubetest.APIServer
 	// JoinAddr is host:port of the join service.
 	JoinAddr string
+	// InitSecret is the init secret whose hash the nodes' user-data holds.
+	InitSecret []byte
 
 	agentBin string
 	config   string
@@ -71,7 +74,16 @@ func NewHost(t testing.TB, tpms int) *Host {
 	h.API = kubetest.Start(t)
 	port := uint16(kubetest.FreePort(t))
 	h.JoinAddr = netip.AddrPortFrom(clustertest.ServiceAddr, port).String()
-	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA})
+	secret, err := initsecret.NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hash, err := initsecret.Hash([]byte(secret))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.InitSecret = []byte(secret)
+	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA, InitSecretHash: hash})
 	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
 
 	var wg sync.WaitGroup
@@ -333,10 +345,7 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return 0, 0, err
 	}
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		return 0, 0, err
-	}
-	if err := os.Truncate(img, 32<<20); err != nil {
+	if err := createStateImage(img); err != nil {
 		return 0, 0, err
 	}
 	if err := os.WriteFile(kubeadm, []byte("#!/bin/sh\nexit 0\n"), 0o700); err != nil {
@@ -378,7 +387,56 @@ func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtes
 	return peak, time.Since(start), nil
 }
 
-// writeAgentConfig writes the configuration of a real agent process in dir and returns its path.
+// StartInitNode starts one real `berth-agent boot` process as the fresh control-plane node cp, with tpm, a
+// LUKS2 image as its state disk and a kubeadm whose init leaves the storm's admin kubeconfig where kubeadm
+// writes it, so that the node records its cluster in the storm's real API server. It returns when the node's
+// init server listens at initAddr; the process is killed when the test ends.
+func (h *Host) StartInitNode(ctx context.Context, cp metadata.Instance, tpm *swtpmtest.TPM, initAddr string) error {
+	dir := filepath.Join(h.dir, "processes", cp.Name)
+	img := filepath.Join(dir, "state.img")
+	kubeadm := filepath.Join(dir, "kubeadm")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := createStateImage(img); err != nil {
+		return err
+	}
+	script := fmt.Sprintf("#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = init ] && cp %q %q; done\nexit 0\n",
+		filepath.Join(h.dir, "admin.conf"), filepath.Join(dir, "kubernetes", "admin.conf"))
+	if err := os.WriteFile(kubeadm, []byte(script), 0o700); err != nil {
+		return err
+	}
+	config, err := h.writeAgentConfig(dir, cp.Addresses[0].String(), tpm.Device(), img, kubeadm, map[string]any{"initListen": initAddr})
+	if err != nil {
+		return err
+	}
+	out := &clustertest.SafeBuffer{}
+	cmd := exec.CommandContext(ctx, h.agentBin, "boot", "--config", config)
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	h.t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	for !strings.Contains(out.String(), `"msg":"init server listening"`) {
+		if ctx.Err() != nil {
+			return fmt.Errorf("the init server of %s did not listen: %w\n%s", cp.Name, ctx.Err(), out.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil
+}
+
+// createStateImage makes an empty 32 MiB file for a node's LUKS2 state disk.
+func createStateImage(img string) error {
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		return err
+	}
+	return os.Truncate(img, 32<<20)
+}
+
 // writeAgentConfig writes a worker agent's configuration, with extra settings over the defaults.
 func (h *Host) writeAgentConfig(dir, addr, tpm, img, kubeadm string, extra map[string]any) (string, error) {
 	cfg := map[string]any{
