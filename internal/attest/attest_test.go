@@ -2,6 +2,7 @@ package attest_test
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"errors"
 	"net"
@@ -43,7 +44,7 @@ func nonce(t *testing.T) []byte {
 func TestAttestation(t *testing.T) {
 	ca := swtpmtest.NewCA(t)
 	alice, bob := newProver(t, ca), newProver(t, ca)
-	v := attest.NewVerifier(ca.Roots(), ca.Intermediates(), nil)
+	v := attest.NewVerifier(attest.NewCertChain(ca.Roots(), ca.Intermediates(), nil))
 	pcrs := []int{0, 4, 7, 9, 11}
 
 	t.Run("accepted", func(t *testing.T) {
@@ -52,7 +53,7 @@ func TestAttestation(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pending, err := v.Verify(ev, n)
+		pending, err := v.Verify(context.Background(), ev, n, "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -133,7 +134,7 @@ func TestAttestation(t *testing.T) {
 			if other := tc.tamper(t, ev); other != nil {
 				verifyNonce = other
 			}
-			pending, err := v.Verify(ev, verifyNonce)
+			pending, err := v.Verify(context.Background(), ev, verifyNonce, "")
 			if err == nil {
 				answer := tc.complete
 				if answer == nil {
@@ -155,19 +156,19 @@ func TestAttestation(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := v.Verify(ev, n); !errors.Is(err, attest.ErrUntrusted) {
+		if _, err := v.Verify(context.Background(), ev, n, ""); !errors.Is(err, attest.ErrUntrusted) {
 			t.Fatalf("error %v, want ErrUntrusted", err)
 		}
 	})
 
 	t.Run("EK certificate not yet valid", func(t *testing.T) {
-		late := attest.NewVerifier(ca.Roots(), ca.Intermediates(), func() time.Time { return time.Now().AddDate(-1, 0, 0) })
+		late := attest.NewVerifier(attest.NewCertChain(ca.Roots(), ca.Intermediates(), func() time.Time { return time.Now().AddDate(-1, 0, 0) }))
 		n := nonce(t)
 		ev, err := alice.Evidence(n, pcrs)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := late.Verify(ev, n); !errors.Is(err, attest.ErrUntrusted) {
+		if _, err := late.Verify(context.Background(), ev, n, ""); !errors.Is(err, attest.ErrUntrusted) {
 			t.Fatalf("error %v, want ErrUntrusted", err)
 		}
 	})
@@ -185,7 +186,7 @@ func TestParseCABundle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := attest.NewVerifier(roots, inters, nil).Verify(ev, n); err != nil {
+	if _, err := attest.NewVerifier(attest.NewCertChain(roots, inters, nil)).Verify(context.Background(), ev, n, ""); err != nil {
 		t.Fatalf("bundle split into roots and intermediates does not verify: %v", err)
 	}
 	if _, _, err := attest.ParseCABundle([]byte("not pem")); err == nil {

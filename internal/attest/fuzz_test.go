@@ -2,6 +2,7 @@ package attest_test
 
 import (
 	"bufio"
+	"context"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/binary"
@@ -46,7 +47,7 @@ func fuzzVerifier(t testing.TB) *attest.Verifier {
 	}
 	roots := x509.NewCertPool()
 	roots.AddCert(root)
-	return attest.NewVerifier(roots, nil, func() time.Time { return time.Date(2030, 6, 1, 0, 0, 0, 0, time.UTC) })
+	return attest.NewVerifier(attest.NewCertChain(roots, nil, func() time.Time { return time.Date(2030, 6, 1, 0, 0, 0, 0, time.UTC) }))
 }
 
 // evidenceFrom splits data into evidence: seven fields each as a big-endian uint16 length and that many
@@ -89,7 +90,7 @@ func FuzzVerify(f *testing.F) {
 	v := fuzzVerifier(f)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		ev := evidenceFrom(data)
-		pending, err := v.Verify(ev, fuzzNonce)
+		pending, err := v.Verify(context.Background(), ev, fuzzNonce, "")
 		if err == nil {
 			t.Fatalf("fuzzed evidence verified: challenge %v", pending.Challenge)
 		}
@@ -137,11 +138,11 @@ func TestFuzzVerifySeeds(t *testing.T) {
 		"trusted-ek-no-pcrs":                 "no PCR values",
 		"swtpm-untrusted-ek":                 "does not chain to a trusted EK root",
 		"ek-only":                            "of 0 bytes",
-		"empty":                              "EK certificate of 0 bytes",
+		"empty":                              "neither an EK certificate nor an EK public key",
 	} {
 		t.Run(seed, func(t *testing.T) {
 			ev := evidenceFrom(readSeed(t, seed))
-			_, err := v.Verify(ev, fuzzNonce)
+			_, err := v.Verify(context.Background(), ev, fuzzNonce, "")
 			if err == nil || !strings.Contains(err.Error(), want) {
 				t.Fatalf("Verify: %v, want an error containing %q", err, want)
 

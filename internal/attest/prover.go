@@ -2,6 +2,7 @@ package attest
 
 import (
 	"crypto/rsa"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"slices"
@@ -22,8 +23,9 @@ type Prover struct {
 	ak  *gattest.AK
 }
 
-// NewProver takes ownership of tpm: Close closes it. The TPM must hold an RSA EK certificate in its NV
-// index, as TPMs from every manufacturer and the clouds' vTPMs do.
+// NewProver takes ownership of tpm: Close closes it. It presents the TPM's RSA EK with its certificate from
+// the NV index, as TPMs from every manufacturer and most clouds' vTPMs have one; a TPM without one (AWS's
+// NitroTPM) presents the EK's public key alone, which only a cloud's EK trust accepts.
 func NewProver(tpm *TPM) (*Prover, error) {
 	eks, err := tpm.EKs()
 	if err != nil {
@@ -31,13 +33,15 @@ func NewProver(tpm *TPM) (*Prover, error) {
 	}
 	var ek *gattest.EK
 	for i := range eks {
-		if _, ok := eks[i].Public.(*rsa.PublicKey); ok && eks[i].Certificate != nil {
+		if _, ok := eks[i].Public.(*rsa.PublicKey); !ok {
+			continue
+		}
+		if ek == nil || (ek.Certificate == nil && eks[i].Certificate != nil) {
 			ek = &eks[i]
-			break
 		}
 	}
 	if ek == nil {
-		return nil, errors.New("the TPM has no RSA endorsement key certificate")
+		return nil, errors.New("the TPM has no RSA endorsement key")
 	}
 	// ECDSA because key generation inside a TPM is much faster for P-256 than for RSA-2048.
 	ak, err := tpm.NewAK(&gattest.AKConfig{Algorithm: gattest.ECDSA})
@@ -72,10 +76,14 @@ func (p *Prover) Evidence(nonce []byte, pcrs []int) (*berthv1.Evidence, error) {
 		return nil, fmt.Errorf("reading PCRs: %w", err)
 	}
 	ev := &berthv1.Evidence{
-		EkCertificate:  p.ek.Certificate.Raw,
 		Quote:          quote.Quote,
 		QuoteSignature: quote.Signature,
 		Pcrs:           make(map[uint32][]byte, len(pcrs)),
+	}
+	if p.ek.Certificate != nil {
+		ev.EkCertificate = p.ek.Certificate.Raw
+	} else if ev.EkPublic, err = x509.MarshalPKIXPublicKey(p.ek.Public); err != nil {
+		return nil, fmt.Errorf("encoding the EK public key: %w", err)
 	}
 	params := p.ak.AttestationParameters()
 	ev.AkPublic, ev.AkCreateData, ev.AkCreateAttestation, ev.AkCreateSignature =
@@ -114,7 +122,9 @@ func (p *Prover) UseTPM(f func(transport.TPM) error) error {
 }
 
 // EKFingerprint names this TPM the way a Verifier's Result does.
-func (p *Prover) EKFingerprint() string { return ekFingerprint(p.ek.Certificate) }
+func (p *Prover) EKFingerprint() string {
+	return EK{Public: p.ek.Public.(*rsa.PublicKey)}.Fingerprint()
+}
 
 // Close releases the attestation key and the TPM.
 func (p *Prover) Close() error {

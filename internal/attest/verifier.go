@@ -1,18 +1,16 @@
 package attest
 
 import (
+	"context"
 	"crypto"
 	"crypto/rsa"
 	"crypto/sha256"
 	"crypto/subtle"
 	"crypto/x509"
-	"encoding/asn1"
-	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
 	"slices"
-	"time"
 
 	gattest "github.com/google/go-attestation/attest"
 
@@ -35,24 +33,15 @@ const (
 	maxBlobSize = 2 << 10
 )
 
-var oidSubjectAltName = asn1.ObjectIdentifier{2, 5, 29, 17}
-
-// Verifier checks evidence against a set of EK roots. It holds no per-connection state, so one Verifier
-// serves any number of concurrent attestations.
+// Verifier checks evidence and asks its EKTrust whether the presented endorsement key is a genuine TPM's.
+// It holds no per-connection state, so one Verifier serves any number of concurrent attestations.
 type Verifier struct {
-	roots, intermediates *x509.CertPool
-	now                  func() time.Time
+	trust EKTrust
 }
 
-// NewVerifier trusts EK certificates that chain to roots, through intermediates when needed.
-func NewVerifier(roots, intermediates *x509.CertPool, now func() time.Time) *Verifier {
-	if intermediates == nil {
-		intermediates = x509.NewCertPool()
-	}
-	if now == nil {
-		now = time.Now
-	}
-	return &Verifier{roots: roots, intermediates: intermediates, now: now}
+// NewVerifier trusts endorsement keys that trust accepts.
+func NewVerifier(trust EKTrust) *Verifier {
+	return &Verifier{trust: trust}
 }
 
 // ParseCABundle splits a PEM bundle of EK CAs: self-signed certificates become roots, the rest
@@ -88,9 +77,9 @@ func ParseCABundle(data []byte) (roots, intermediates *x509.CertPool, err error)
 
 // Result is what verified evidence proves.
 type Result struct {
-	// EKFingerprint is the hex SHA-256 of the EK certificate's public key: the TPM's identity.
+	// EKFingerprint is the EK's Fingerprint: the TPM's identity.
 	EKFingerprint string
-	EKCertificate *x509.Certificate
+	EK            EK
 	// PCRs holds the quoted SHA-256 values.
 	PCRs map[int][]byte
 }
@@ -103,22 +92,19 @@ type Pending struct {
 	secret    []byte
 }
 
-// Verify checks ev for a connection whose nonce is nonce. On success the caller sends the challenge and
-// hands the peer's answer to Pending.Complete; only then is the result proven.
-func (v *Verifier) Verify(ev *berthv1.Evidence, nonce []byte) (*Pending, error) {
+// Verify checks ev for a connection whose nonce is nonce, from the instance whose cloud id is instanceID
+// (empty where the caller knows no instance). On success the caller sends the challenge and hands the
+// peer's answer to Pending.Complete; only then is the result proven.
+func (v *Verifier) Verify(ctx context.Context, ev *berthv1.Evidence, nonce []byte, instanceID string) (*Pending, error) {
 	if err := checkSizes(ev); err != nil {
 		return nil, err
 	}
-	ekCert, err := gattest.ParseEKCertificate(ev.EkCertificate)
+	ek, err := parseEK(ev)
 	if err != nil {
-		return nil, fmt.Errorf("%w: EK certificate: %v", ErrMalformed, err)
-	}
-	if err := v.verifyEKChain(ekCert); err != nil {
 		return nil, err
 	}
-	ekPub, ok := ekCert.PublicKey.(*rsa.PublicKey)
-	if !ok {
-		return nil, fmt.Errorf("%w: EK certificate key is %T, want RSA", ErrUntrusted, ekCert.PublicKey)
+	if err := v.trust.TrustEK(ctx, ek, instanceID); err != nil {
+		return nil, err
 	}
 
 	akPub, err := gattest.ParseAKPublic(ev.AkPublic)
@@ -147,7 +133,7 @@ func (v *Verifier) Verify(ev *berthv1.Evidence, nonce []byte) (*Pending, error) 
 	// Generate also checks that the attestation key is a restricted signing key that the TPM created
 	// (fixedTPM, sensitiveDataOrigin), by the creation attestation that the key signed itself.
 	act := gattest.ActivationParameters{
-		EK: ekPub,
+		EK: ek.Public,
 		AK: gattest.AttestationParameters{
 			Public:            ev.AkPublic,
 			CreateData:        ev.AkCreateData,
@@ -166,7 +152,7 @@ func (v *Verifier) Verify(ev *berthv1.Evidence, nonce []byte) (*Pending, error) 
 	}
 	return &Pending{
 		Challenge: &berthv1.ActivationChallenge{Credential: cred.Credential, Secret: cred.Secret},
-		result:    Result{EKFingerprint: ekFingerprint(ekCert), EKCertificate: ekCert, PCRs: values},
+		result:    Result{EKFingerprint: ek.Fingerprint(), EK: ek, PCRs: values},
 		secret:    secret,
 	}, nil
 }
@@ -183,32 +169,44 @@ func (p *Pending) Complete(proof *berthv1.ActivationProof) (*Result, error) {
 	return &r, nil
 }
 
-func (v *Verifier) verifyEKChain(cert *x509.Certificate) error {
-	// EK certificates have an empty subject and name the TPM in a critical subjectAltName made only of
-	// directoryName entries (TCG EK Credential Profile §3.2.9), which crypto/x509 does not interpret and so
-	// reports as unhandled. The chain and signatures are still checked in full.
-	cert.UnhandledCriticalExtensions = slices.DeleteFunc(cert.UnhandledCriticalExtensions, func(oid asn1.ObjectIdentifier) bool {
-		return oid.Equal(oidSubjectAltName)
-	})
-	_, err := cert.Verify(x509.VerifyOptions{
-		Roots:         v.roots,
-		Intermediates: v.intermediates,
-		CurrentTime:   v.now(),
-		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
-	})
-	if err != nil {
-		return fmt.Errorf("%w: EK certificate (issuer %q, serial %s) does not chain to a trusted EK root: %v",
-			ErrUntrusted, cert.Issuer.String(), cert.SerialNumber.Text(16), err)
+// parseEK reads the EK the evidence presents: its certificate, or for TPMs without one its public key.
+func parseEK(ev *berthv1.Evidence) (EK, error) {
+	if len(ev.EkPublic) > 0 {
+		pub, err := x509.ParsePKIXPublicKey(ev.EkPublic)
+		if err != nil {
+			return EK{}, fmt.Errorf("%w: EK public key: %v", ErrMalformed, err)
+		}
+		rsaPub, ok := pub.(*rsa.PublicKey)
+		if !ok {
+			return EK{}, fmt.Errorf("%w: EK public key is %T, want RSA", ErrMalformed, pub)
+		}
+		return EK{Public: rsaPub}, nil
 	}
-	return nil
+	cert, err := gattest.ParseEKCertificate(ev.EkCertificate)
+	if err != nil {
+		return EK{}, fmt.Errorf("%w: EK certificate: %v", ErrMalformed, err)
+	}
+	rsaPub, ok := cert.PublicKey.(*rsa.PublicKey)
+	if !ok {
+		return EK{}, fmt.Errorf("%w: EK certificate key is %T, want RSA", ErrUntrusted, cert.PublicKey)
+	}
+	return EK{Public: rsaPub, Certificate: cert}, nil
 }
 
 func checkSizes(ev *berthv1.Evidence) error {
 	if ev == nil {
 		return fmt.Errorf("%w: no evidence", ErrMalformed)
 	}
-	if len(ev.EkCertificate) == 0 || len(ev.EkCertificate) > maxCertSize {
+	// One way to name the EK, so that what is trusted is what is used.
+	switch {
+	case len(ev.EkCertificate) == 0 && len(ev.EkPublic) == 0:
+		return fmt.Errorf("%w: neither an EK certificate nor an EK public key", ErrMalformed)
+	case len(ev.EkCertificate) > 0 && len(ev.EkPublic) > 0:
+		return fmt.Errorf("%w: both an EK certificate and an EK public key", ErrMalformed)
+	case len(ev.EkCertificate) > maxCertSize:
 		return fmt.Errorf("%w: EK certificate of %d bytes", ErrMalformed, len(ev.EkCertificate))
+	case len(ev.EkPublic) > maxBlobSize:
+		return fmt.Errorf("%w: EK public key of %d bytes", ErrMalformed, len(ev.EkPublic))
 	}
 	for _, f := range []struct {
 		name string
@@ -225,9 +223,4 @@ func checkSizes(ev *berthv1.Evidence) error {
 		return fmt.Errorf("%w: %d PCR values", ErrMalformed, len(ev.Pcrs))
 	}
 	return nil
-}
-
-func ekFingerprint(cert *x509.Certificate) string {
-	sum := sha256.Sum256(cert.RawSubjectPublicKeyInfo)
-	return hex.EncodeToString(sum[:])
 }

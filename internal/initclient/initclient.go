@@ -52,8 +52,12 @@ const maxPCR = 23
 type Config struct {
 	// Endpoint is host:port of the node's init server.
 	Endpoint string
-	// Verifier trusts the EK roots of the TPMs the node may have.
+	// Verifier trusts the node's TPM: by its EK certificate's chain, or by the EK its cloud reports for
+	// InstanceID.
 	Verifier *attest.Verifier
+	// InstanceID is the node's id at its cloud (an EC2 instance id), for a Verifier whose EK trust asks the
+	// cloud; empty otherwise.
+	InstanceID string
 	// ExpectedPCRs are the SHA-256 measurements the node must show, by PCR index (from the Packer
 	// manifest).
 	ExpectedPCRs map[int][]byte
@@ -182,7 +186,7 @@ func run(st stream, cfg Config, pcrs []int) (*berthv1.InitResult, error) {
 	if ev == nil {
 		return nil, errors.New("the node answered the hello without evidence")
 	}
-	pending, err := cfg.Verifier.Verify(ev, nonce)
+	pending, err := cfg.Verifier.Verify(st.Context(), ev, nonce, cfg.InstanceID)
 	if err != nil {
 		return nil, fmt.Errorf("verifying the node's evidence: %w", err)
 	}

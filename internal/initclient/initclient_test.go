@@ -17,7 +17,7 @@ func TestConfigRefusedBeforeDialing(t *testing.T) {
 	valid := func() Config {
 		return Config{
 			Endpoint:     "127.0.0.1:1",
-			Verifier:     attest.NewVerifier(nil, nil, nil),
+			Verifier:     attest.NewVerifier(attest.NewCertChain(nil, nil, nil)),
 			ExpectedPCRs: map[int][]byte{9: make([]byte, 32), 4: make([]byte, 32)},
 			Request:      &berthv1.InitRequest{InitSecret: []byte("secret")},
 		}

@@ -37,8 +37,12 @@ const DefaultTimeout = 2 * time.Minute
 type Config struct {
 	// Endpoint is host:port of the node's recovery server (the init port, 7451 by default).
 	Endpoint string
-	// Verifier trusts the EK roots of the TPMs the node may have.
+	// Verifier trusts the node's TPM: by its EK certificate's chain, or by the EK its cloud reports for
+	// InstanceID.
 	Verifier *attest.Verifier
+	// InstanceID is the node's id at its cloud (an EC2 instance id), for a Verifier whose EK trust asks the
+	// cloud; empty otherwise.
+	InstanceID string
 	// Policy lists the images the node may run, per role: the join policy, or an image manifest's image.
 	Policy *policy.Policy
 	// RootKey is the cluster's root key (berth_secrets' root_key), decoded.
@@ -150,7 +154,7 @@ func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) 
 	if err != nil {
 		return node, fmt.Errorf("the node's disk: %w", err)
 	}
-	pending, err := cfg.Verifier.Verify(ev.Evidence, nonce)
+	pending, err := cfg.Verifier.Verify(st.Context(), ev.Evidence, nonce, cfg.InstanceID)
 	if err != nil {
 		return node, fmt.Errorf("verifying the node's evidence: %w", err)
 	}

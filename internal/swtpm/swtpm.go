@@ -82,6 +82,16 @@ func (ca *CA) Manufacture(state string) error {
 	return nil
 }
 
+// ManufactureWithoutCertificates makes a TPM 2.0 state in the existing directory state with an RSA EK but
+// no EK certificate, as AWS's NitroTPM has: its EK is vouched for by the cloud's API instead.
+func ManufactureWithoutCertificates(state string) error {
+	out, err := exec.Command("swtpm_setup", "--tpm2", "--tpmstate", state, "--createek", "--lock-nvram").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("swtpm_setup: %w\n%s", err, out)
+	}
+	return nil
+}
+
 // RootPEM and IntermediatePEM are the CA's certificates; BundlePEM is both, as operators configure them.
 func (ca *CA) RootPEM() ([]byte, error) {
 	return os.ReadFile(filepath.Join(ca.Dir, "swtpm-localca-rootca-cert.pem"))

@@ -152,7 +152,7 @@ func TestLabCLI(t *testing.T) {
 	}
 	_, err = initclient.Init(ctx, initclient.Config{
 		Endpoint:     net.JoinHostPort("10.250.0.10", fmt.Sprint(initPort)),
-		Verifier:     attest.NewVerifier(roots, inters, nil),
+		Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
 		ExpectedPCRs: PredictedPCRs("berthlab-b"),
 		Request:      &berthv1.InitRequest{InitSecret: []byte("never sent")},
 		Timeout:      3 * time.Minute,

@@ -457,7 +457,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 	}
 	return initclient.Init(ctx, initclient.Config{
 		Endpoint:     net.JoinHostPort(cp.Addr.String(), fmt.Sprint(initPort)),
-		Verifier:     attest.NewVerifier(roots, inters, nil),
+		Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
 		ExpectedPCRs: expected,
 		Progress:     func(line string) { l.progress("%s: kubeadm: %s", cp.Name, line) },
 		Timeout:      10 * time.Minute,

@@ -21,14 +21,16 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
-// Evidence is what a TPM offers about the machine it sits in: an endorsement key certificate that names the
-// TPM, an attestation key with the TPM's own statement of how it was created, and a quote that the
+// Evidence is what a TPM offers about the machine it sits in: its endorsement key, an attestation key with the TPM's own statement of how it was created, and a quote that the
 // attestation key signed over PCR values and a nonce. The nonce is never sent: both ends derive it from the
 // TLS connection the evidence travels on.
 type Evidence struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// DER X.509 certificate of the RSA endorsement key, as stored in the TPM's NV index.
 	EkCertificate []byte `protobuf:"bytes,1,opt,name=ek_certificate,json=ekCertificate,proto3" json:"ek_certificate,omitempty"`
+	// DER SubjectPublicKeyInfo of the RSA endorsement key, instead of ek_certificate for TPMs that have no
+	// certificate (AWS's NitroTPM), whose EK the cloud's API vouches for. Exactly one of the two is set.
+	EkPublic []byte `protobuf:"bytes,9,opt,name=ek_public,json=ekPublic,proto3" json:"ek_public,omitempty"`
 	// TPMT_PUBLIC of the attestation key.
 	AkPublic []byte `protobuf:"bytes,2,opt,name=ak_public,json=akPublic,proto3" json:"ak_public,omitempty"`
 	// TPMS_CREATION_DATA, TPMS_ATTEST and TPMT_SIGNATURE of the attestation key's creation.
@@ -77,6 +79,13 @@ func (*Evidence) Descriptor() ([]byte, []int) {
 func (x *Evidence) GetEkCertificate() []byte {
 	if x != nil {
 		return x.EkCertificate
+	}
+	return nil
+}
+
+func (x *Evidence) GetEkPublic() []byte {
+	if x != nil {
+		return x.EkPublic
 	}
 	return nil
 }
@@ -233,9 +242,10 @@ var File_internal_api_berthv1_attestation_proto protoreflect.FileDescriptor
 
 const file_internal_api_berthv1_attestation_proto_rawDesc = "" +
 	"\n" +
-	"&internal/api/berthv1/attestation.proto\x12\bberth.v1\"\x82\x03\n" +
+	"&internal/api/berthv1/attestation.proto\x12\bberth.v1\"\x9f\x03\n" +
 	"\bEvidence\x12%\n" +
 	"\x0eek_certificate\x18\x01 \x01(\fR\rekCertificate\x12\x1b\n" +
+	"\tek_public\x18\t \x01(\fR\bekPublic\x12\x1b\n" +
 	"\tak_public\x18\x02 \x01(\fR\bakPublic\x12$\n" +
 	"\x0eak_create_data\x18\x03 \x01(\fR\fakCreateData\x122\n" +
 	"\x15ak_create_attestation\x18\x04 \x01(\fR\x13akCreateAttestation\x12.\n" +

@@ -60,12 +60,23 @@ type TPM struct {
 // test ends.
 func (ca *CA) NewTPM(t testing.TB) *TPM {
 	t.Helper()
+	return startTPM(t, ca.ca.Manufacture)
+}
+
+// NewTPMWithoutEKCertificate starts a TPM with an RSA EK and no EK certificate, like AWS's NitroTPM.
+func NewTPMWithoutEKCertificate(t testing.TB) *TPM {
+	t.Helper()
+	return startTPM(t, swtpm.ManufactureWithoutCertificates)
+}
+
+func startTPM(t testing.TB, manufacture func(state string) error) *TPM {
+	t.Helper()
 	dir := t.TempDir()
 	state := filepath.Join(dir, "state")
 	if err := os.Mkdir(state, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := ca.ca.Manufacture(state); err != nil {
+	if err := manufacture(state); err != nil {
 		t.Fatal(err)
 	}
 	tpm := &TPM{Socket: filepath.Join(dir, "tpm.sock")}

@@ -88,7 +88,7 @@ func recoverConfig(node, rootKeyFile, policyFile, manifestFile, imageName, ekCA 
 	if err != nil {
 		return cfg, fmt.Errorf("EK CA bundle %s: %w", ekCA, err)
 	}
-	cfg.Verifier = attest.NewVerifier(roots, inters, nil)
+	cfg.Verifier = attest.NewVerifier(attest.NewCertChain(roots, inters, nil))
 	if cfg.Policy, err = imagesToCheck(policyFile, manifestFile, imageName); err != nil {
 		return cfg, err
 	}

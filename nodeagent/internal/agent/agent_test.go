@@ -180,7 +180,7 @@ func TestBootInitThenJoin(t *testing.T) {
 	var progress []string
 	result, err := initclient.Init(ctx, initclient.Config{
 		Endpoint:     cp.cfg.InitListen,
-		Verifier:     attest.NewVerifier(ekCA.Roots(), ekCA.Intermediates(), nil),
+		Verifier:     attest.NewVerifier(attest.NewCertChain(ekCA.Roots(), ekCA.Intermediates(), nil)),
 		ExpectedPCRs: expected,
 		Progress:     func(line string) { progress = append(progress, line) },
 		Request: &berthv1.InitRequest{

@@ -80,7 +80,7 @@ func newFixture(t *testing.T) *fixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.prover.Close() })
-	f.verifier = attest.NewVerifier(f.ekCA.Roots(), f.ekCA.Intermediates(), nil)
+	f.verifier = attest.NewVerifier(attest.NewCertChain(f.ekCA.Roots(), f.ekCA.Intermediates(), nil))
 	s, err := initsecret.NewSecret()
 	if err != nil {
 		t.Fatal(err)
@@ -534,7 +534,7 @@ func TestInit(t *testing.T) {
 			activations := n.prover.activations.Load()
 			other := swtpmtest.NewCA(t)
 			cfg := n.client(f, f.request(t), new([]string))
-			cfg.Verifier = attest.NewVerifier(other.Roots(), other.Intermediates(), nil)
+			cfg.Verifier = attest.NewVerifier(attest.NewCertChain(other.Roots(), other.Intermediates(), nil))
 			if _, err := initclient.Init(ctx, cfg); !errors.Is(err, attest.ErrUntrusted) {
 				t.Fatalf("error %v, want ErrUntrusted", err)
 			}

@@ -377,7 +377,7 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 			fmt.Errorf("node asked as %q but its instance record says %q", c.role, inst.Role))
 	}
 
-	pending, err := s.cfg.Verifier.Verify(c.evidence, nonce)
+	pending, err := s.cfg.Verifier.Verify(ctx, c.evidence, nonce, inst.ID)
 	if err != nil {
 		return nil, s.attestErr(log, err)
 	}

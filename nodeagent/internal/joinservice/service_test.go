@@ -39,7 +39,7 @@ func validConfig(t testing.TB) Config {
 	}
 	client := fake.NewClientset()
 	return Config{
-		Verifier:          attest.NewVerifier(x509.NewCertPool(), nil, nil),
+		Verifier:          attest.NewVerifier(attest.NewCertChain(x509.NewCertPool(), nil, nil)),
 		Policy:            nilPolicy{},
 		Instances:         noInstances{},
 		Tokens:            &KubeTokens{Client: client},

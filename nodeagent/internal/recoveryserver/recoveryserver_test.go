@@ -98,7 +98,7 @@ func newFixture(t *testing.T) *fixture {
 		t.Fatal(err)
 	}
 	f := &fixture{disk: &recordingDisk{Disk: disk}, vol: vol, key: key, root: root,
-		verifier: attest.NewVerifier(ca.Roots(), ca.Intermediates(), nil)}
+		verifier: attest.NewVerifier(attest.NewCertChain(ca.Roots(), ca.Intermediates(), nil))}
 	f.server, err = recoveryserver.New(recoveryserver.Config{Prover: prover, Disk: f.disk, DiskUUID: prepared.UUID,
 		Self: &metadata.Instance{Name: "cp-0", Role: metadata.RoleControlPlane}})
 	if err != nil {

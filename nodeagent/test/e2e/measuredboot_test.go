@@ -212,7 +212,7 @@ func startHost(t *testing.T, img *manifest.Image) *host {
 	// Tickets of the kubelet method let the node finish its join in the guest, which has no kubeadm: the
 	// agent writes the kubelet's files and its membership, and then seals its disk key.
 	svc, err := joinservice.New(joinservice.Config{
-		Verifier:          attest.NewVerifier(c.EKCA.Roots(), c.EKCA.Intermediates(), nil),
+		Verifier:          attest.NewVerifier(attest.NewCertChain(c.EKCA.Roots(), c.EKCA.Intermediates(), nil)),
 		Policy:            policy.NewStore(pol),
 		Instances:         &metadata.Client{BaseURL: c.MetaURL},
 		Method:            berthv1.JoinMethod_JOIN_METHOD_KUBELET,

@@ -97,7 +97,7 @@ func (l *Lab) initWith(t *testing.T, it *initTarget, secret string) (*berthv1.In
 	defer cancel()
 	return initclient.Init(ctx, initclient.Config{
 		Endpoint:     it.addr,
-		Verifier:     attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
+		Verifier:     attest.NewVerifier(attest.NewCertChain(l.EKCA.Roots(), l.EKCA.Intermediates(), nil)),
 		ExpectedPCRs: expected,
 		Request: &berthv1.InitRequest{
 			InitSecret: []byte(secret), MasterSecret: l.Master, Salt: l.Salt,

@@ -86,7 +86,7 @@ func New(t testing.TB, opts ...Option) *Lab {
 	l.Policy = policy.NewStore(clustertest.ZeroPolicy("swtpm-zero", metadata.RoleControlPlane, metadata.RoleWorker))
 
 	cfg := joinservice.Config{
-		Verifier:          attest.NewVerifier(l.EKCA.Roots(), l.EKCA.Intermediates(), nil),
+		Verifier:          attest.NewVerifier(attest.NewCertChain(l.EKCA.Roots(), l.EKCA.Intermediates(), nil)),
 		Policy:            l.Policy,
 		Instances:         &metadata.Client{BaseURL: l.MetaURL},
 		Tokens:            &joinservice.KubeTokens{Client: l.Kube},

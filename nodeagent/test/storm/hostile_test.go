@@ -267,7 +267,7 @@ func (h *Host) initUnderAttack(t *testing.T) {
 	}
 	start := time.Now()
 	res, err := initclient.Init(ctx, initclient.Config{
-		Endpoint: initAddr, Verifier: attest.NewVerifier(h.EKCA.Roots(), h.EKCA.Intermediates(), nil), ExpectedPCRs: expected,
+		Endpoint: initAddr, Verifier: attest.NewVerifier(attest.NewCertChain(h.EKCA.Roots(), h.EKCA.Intermediates(), nil)), ExpectedPCRs: expected,
 		Request: &berthv1.InitRequest{
 			InitSecret: h.InitSecret, MasterSecret: h.Master, Salt: h.Salt,
 			KubernetesCaCertificate: h.API.CA.CertPEM(), KubernetesCaKey: kubeKey,
