@@ -34,6 +34,7 @@ type nodeConfigModel struct {
 	JoinEndpoints  []string     `tfsdk:"join_endpoints"`
 	InitSecretHash types.String `tfsdk:"init_secret_hash"`
 	Hostname       types.String `tfsdk:"hostname"`
+	Role           types.String `tfsdk:"role"`
 	BareMetal      types.Bool   `tfsdk:"bare_metal"`
 	JSON           types.String `tfsdk:"json"`
 	CloudInit      types.String `tfsdk:"cloud_init"`
@@ -111,6 +112,14 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 					fmt.Sprintf("A Kubernetes node name (a lowercase DNS-1123 subdomain) of at most %d characters, the "+
 						"longest hostname Linux takes. It does not change `json`.", cloudinit.MaxHostname),
 			},
+			"role": schema.StringAttribute{
+				Optional: true,
+				MarkdownDescription: "`control-plane` or `worker`: the role of the nodes this user-data launches, for " +
+					"clouds whose instance metadata has no Berth role (AWS EC2: one launch template per role). The " +
+					"node states it; the join service grants it only when its own record of the instance says the " +
+					"same (on AWS, the role configured for the instance's autoscaling group). Unset means worker, " +
+					"and it is left out of `json`. `control-plane` is refused when `bare_metal` is true.",
+			},
 			"json": schema.StringAttribute{
 				Computed:            true,
 				MarkdownDescription: "The user-data as JSON, the form berth-agent reads.",
@@ -131,10 +140,11 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 // ValidateConfig refuses what cannot work before anything is read. Terraform validates again with every value
 // known before it reads the data source, so values unknown here are checked then.
 func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasource.ValidateConfigRequest, resp *datasource.ValidateConfigResponse) {
-	var hostname, initSecretHash types.String
+	var hostname, initSecretHash, role types.String
 	var bareMetal types.Bool
 	var endpoints types.List
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("hostname"), &hostname)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("role"), &role)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("init_secret_hash"), &initSecretHash)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("bare_metal"), &bareMetal)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("join_endpoints"), &endpoints)...)
@@ -146,8 +156,17 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 			resp.Diagnostics.AddAttributeError(path.Root("hostname"), "Invalid hostname", err.Error())
 		}
 	}
+	if known(role) && !metadata.Role(role.ValueString()).Valid() {
+		resp.Diagnostics.AddAttributeError(path.Root("role"), "Invalid role",
+			fmt.Sprintf("role is %q, want %q or %q.", role.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
+	}
 	if !bareMetal.ValueBool() {
 		return
+	}
+	if known(role) && metadata.Role(role.ValueString()) == metadata.RoleControlPlane {
+		resp.Diagnostics.AddAttributeError(path.Root("role"), "Control-plane role on bare-metal nodes",
+			"role must not be control-plane when bare_metal is true: bare-metal nodes join as workers of a "+
+				"control plane that runs elsewhere.")
 	}
 	if !endpoints.IsUnknown() && len(endpoints.Elements()) == 0 {
 		resp.Diagnostics.AddAttributeError(path.Root("join_endpoints"), "Missing join endpoints",
@@ -185,6 +204,7 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		JoinPort:       uint16(m.JoinPort.ValueInt64()),
 		JoinCAPin:      m.JoinCAPin.ValueString(),
 		InitSecretHash: m.InitSecretHash.ValueString(),
+		Role:           metadata.Role(m.Role.ValueString()),
 	}
 	doc, cloudInit, err := cloudinit.Render(u, m.Hostname.ValueString())
 	if err != nil {

@@ -247,3 +247,54 @@ func TestNodeConfigBareMetal(t *testing.T) {
 		},
 	})
 }
+
+const roleConfig = `
+variable "role" {
+  type = string
+}
+
+variable "bare" {
+  type    = bool
+  default = false
+}
+
+data "berth_node_config" "node" {
+  cluster_name   = "prod"
+  join_ca_pin    = "` + testPin + `"
+  join_endpoints = ["10.0.0.10:7450"]
+  bare_metal     = var.bare
+  role           = var.role
+}
+`
+
+// TestNodeConfigRole: a launch template per role carries the role in the user-data, where no metadata
+// service names it.
+func TestNodeConfigRole(t *testing.T) {
+	role := func(r string, bare bool) config.Variables {
+		return config.Variables{"role": config.StringVariable(r), "bare": config.BoolVariable(bare)}
+	}
+	resource.UnitTest(t, resource.TestCase{
+		ProtoV6ProviderFactories: providers,
+		Steps: []resource.TestStep{
+			{
+				Config:          roleConfig,
+				ConfigVariables: role("control-plane", false),
+				Check: checkCloudInit("data.berth_node_config.node", metadata.UserData{
+					ClusterName: "prod", JoinEndpoints: []string{"10.0.0.10:7450"}, JoinPort: 7450, JoinCAPin: testPin,
+					Role: metadata.RoleControlPlane,
+				}, ""),
+			},
+			{
+				Config:          roleConfig,
+				ConfigVariables: role("admin", false),
+				ExpectError:     attrError("Invalid role", "role", `role is "admin", want "control-plane" or "worker".`),
+			},
+			{
+				Config:          roleConfig,
+				ConfigVariables: role("control-plane", true),
+				ExpectError: attrError("Control-plane role on bare-metal nodes", "role",
+					"role must not be control-plane when bare_metal is true"),
+			},
+		},
+	})
+}

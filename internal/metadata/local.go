@@ -45,6 +45,9 @@ func (l *Local) Self(context.Context) (*Self, error) {
 	if len(ud.JoinEndpoints) == 0 {
 		return nil, fmt.Errorf("user-data %s names no join endpoint: a node without a metadata service finds the join service only there", l.UserDataFile)
 	}
+	if ud.Role == RoleControlPlane {
+		return nil, fmt.Errorf("user-data %s says control-plane, but machines without a metadata service join as workers", l.UserDataFile)
+	}
 	hostname := l.Hostname
 	if hostname == nil {
 		hostname = os.Hostname

@@ -70,7 +70,8 @@ func TestLocalSelfRefuses(t *testing.T) {
 		wantErr  string
 	}{
 		{"no join endpoint", noEndpoints, "n1", "names no join endpoint"},
-		{"unknown field", map[string]any{"clusterName": "metal", "joinPort": 7450, "joinCAPin": testPin, "role": "control-plane"}, "n1", `unknown field "role"`},
+		{"unknown field", map[string]any{"clusterName": "metal", "joinPort": 7450, "joinCAPin": testPin, "nodeRole": "control-plane"}, "n1", `unknown field "nodeRole"`},
+		{"control-plane role", map[string]any{"clusterName": "metal", "joinEndpoints": []string{"10.0.0.1:7450"}, "joinPort": 7450, "joinCAPin": testPin, "role": "control-plane"}, "n1", "join as workers"},
 		{"invalid user-data", UserData{ClusterName: "metal", JoinEndpoints: []string{"x"}, JoinPort: 7450, JoinCAPin: testPin}, "n1", "not host:port"},
 		{"hostname not a node name", good, "Node_7", "not a DNS-1123 subdomain"},
 	}

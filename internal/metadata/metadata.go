@@ -33,6 +33,9 @@ const MaxDocumentSize = 1 << 20
 // URLs, file paths of QEMU images).
 const maxImageIDLen = 1024
 
+// maxInstanceIDLen is far above any cloud's instance ids (EC2's are 19 bytes, GCE's 20 digits).
+const maxInstanceIDLen = 128
+
 // Role is what a node is in the cluster.
 type Role string
 
@@ -55,6 +58,9 @@ type Instance struct {
 	// Addresses are the node's IPs; the first is the primary one (the kubelet's node IP).
 	Addresses []netip.Addr `json:"addresses"`
 	ImageID   string       `json:"imageID,omitempty"`
+	// ID is the cloud's id of the instance (an EC2 instance id), where a cloud vouches for the instance's
+	// TPM by that id; empty elsewhere.
+	ID string `json:"id,omitempty"`
 }
 
 // UserData is what a launch template gives every node. It holds nothing secret:
@@ -69,6 +75,9 @@ type UserData struct {
 	JoinCAPin string `json:"joinCAPin"`
 	// InitSecretHash is the argon2id PHC string of the init secret.
 	InitSecretHash string `json:"initSecretHash,omitempty"`
+	// Role is the role of the nodes this user-data launches, where no metadata service names it (a launch
+	// template per role on a cloud); empty means worker. The join service checks it against its own record.
+	Role Role `json:"role,omitempty"`
 }
 
 // Self is what a node learns about itself.
@@ -112,6 +121,9 @@ func (i Instance) Validate() error {
 	}
 	if strings.ContainsFunc(i.ImageID, isControl) {
 		return fmt.Errorf("instance %q: image id contains control characters", i.Name)
+	}
+	if len(i.ID) > maxInstanceIDLen || strings.ContainsFunc(i.ID, isControl) {
+		return fmt.Errorf("instance %q: instance id is longer than %d bytes or contains control characters", i.Name, maxInstanceIDLen)
 	}
 	return nil
 }
@@ -163,6 +175,9 @@ func (u UserData) Validate() error {
 		if err := validateArgon2idPHC(u.InitSecretHash); err != nil {
 			return err
 		}
+	}
+	if u.Role != "" && !u.Role.Valid() {
+		return fmt.Errorf("role %q is not %q or %q", u.Role, RoleControlPlane, RoleWorker)
 	}
 	return nil
 }
