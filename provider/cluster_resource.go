@@ -29,6 +29,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/initclient"
@@ -57,28 +58,36 @@ type clusterResource struct{}
 func newClusterResource() resource.Resource { return &clusterResource{} }
 
 type clusterModel struct {
-	Endpoint                types.String `tfsdk:"endpoint"`
-	ClusterName             types.String `tfsdk:"cluster_name"`
-	KubernetesVersion       types.String `tfsdk:"kubernetes_version"`
-	ControlPlaneEndpoint    types.String `tfsdk:"control_plane_endpoint"`
-	PodSubnet               types.String `tfsdk:"pod_subnet"`
-	ServiceSubnet           types.String `tfsdk:"service_subnet"`
-	PCRs                    types.Map    `tfsdk:"pcrs"`
-	EKCACertificates        types.String `tfsdk:"ek_ca_certificates"`
-	KubernetesCACertificate types.String `tfsdk:"kubernetes_ca_certificate"`
-	JoinCACertificate       types.String `tfsdk:"join_ca_certificate"`
-	InitSecretWO            types.String `tfsdk:"init_secret_wo"`
-	MasterSecretWO          types.String `tfsdk:"master_secret_wo"`
-	SaltWO                  types.String `tfsdk:"salt_wo"`
-	KubernetesCAKeyWO       types.String `tfsdk:"kubernetes_ca_key_wo"`
-	JoinCAKeyWO             types.String `tfsdk:"join_ca_key_wo"`
-	InitTimeout             types.String `tfsdk:"init_timeout"`
-	ID                      types.String `tfsdk:"id"`
-	ClusterID               types.String `tfsdk:"cluster_id"`
-	APIServerEndpoint       types.String `tfsdk:"api_server_endpoint"`
-	Kubeconfig              types.String `tfsdk:"kubeconfig"`
-	ClientCertificate       types.String `tfsdk:"client_certificate"`
-	ClientKey               types.String `tfsdk:"client_key"`
+	Endpoint                types.String     `tfsdk:"endpoint"`
+	ClusterName             types.String     `tfsdk:"cluster_name"`
+	KubernetesVersion       types.String     `tfsdk:"kubernetes_version"`
+	ControlPlaneEndpoint    types.String     `tfsdk:"control_plane_endpoint"`
+	PodSubnet               types.String     `tfsdk:"pod_subnet"`
+	ServiceSubnet           types.String     `tfsdk:"service_subnet"`
+	PCRs                    types.Map        `tfsdk:"pcrs"`
+	EKCACertificates        types.String     `tfsdk:"ek_ca_certificates"`
+	AWS                     *clusterAWSModel `tfsdk:"aws"`
+	KubernetesCACertificate types.String     `tfsdk:"kubernetes_ca_certificate"`
+	JoinCACertificate       types.String     `tfsdk:"join_ca_certificate"`
+	InitSecretWO            types.String     `tfsdk:"init_secret_wo"`
+	MasterSecretWO          types.String     `tfsdk:"master_secret_wo"`
+	SaltWO                  types.String     `tfsdk:"salt_wo"`
+	KubernetesCAKeyWO       types.String     `tfsdk:"kubernetes_ca_key_wo"`
+	JoinCAKeyWO             types.String     `tfsdk:"join_ca_key_wo"`
+	InitTimeout             types.String     `tfsdk:"init_timeout"`
+	ID                      types.String     `tfsdk:"id"`
+	ClusterID               types.String     `tfsdk:"cluster_id"`
+	APIServerEndpoint       types.String     `tfsdk:"api_server_endpoint"`
+	Kubeconfig              types.String     `tfsdk:"kubeconfig"`
+	ClientCertificate       types.String     `tfsdk:"client_certificate"`
+	ClientKey               types.String     `tfsdk:"client_key"`
+}
+
+// clusterAWSModel names the first control-plane node's EC2 instance, whose NitroTPM EC2 vouches for.
+type clusterAWSModel struct {
+	InstanceID types.String `tfsdk:"instance_id"`
+	Region     types.String `tfsdk:"region"`
+	Endpoint   types.String `tfsdk:"endpoint"`
 }
 
 func (r *clusterResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
@@ -98,7 +107,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"(with `init_secret_hash`).\n\n" +
 			"The provider first **attests** the node over the connection it will use: the node's TPM quotes the " +
 			"PCRs of `pcrs` bound to this TLS session, its endorsement key certificate must chain to " +
-			"`ek_ca_certificates`, every PCR must hold the value the image predicts, and the attestation key " +
+			"`ek_ca_certificates` (or, on AWS, its endorsement key must be the one EC2 reports for the instance " +
+			"named in `aws`), every PCR must hold the value the image predicts, and the attestation key " +
 			"must prove it lives in that TPM. Only then does the provider send the init request with the " +
 			"cluster's secrets; the node checks the init secret and runs `kubeadm init`. A node that shows other " +
 			"measurements gets nothing, and the error names the PCR, the value expected and the value got.\n\n" +
@@ -153,9 +163,33 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 					"checked by the join policy (`berth_join_policy`).",
 			},
 			"ek_ca_certificates": schema.StringAttribute{
-				Required: true,
+				Optional: true,
 				MarkdownDescription: "PEM certificates of the CAs that issue the endorsement key certificates of the " +
-					"nodes' TPMs (the TPM vendor's or the cloud's vTPM CA; root and intermediate certificates).",
+					"nodes' TPMs (the TPM vendor's or the cloud's vTPM CA; root and intermediate certificates). " +
+					"Exactly one of `ek_ca_certificates` and `aws` is set.",
+			},
+			"aws": schema.SingleNestedAttribute{
+				Optional: true,
+				MarkdownDescription: "The node is an EC2 instance with a NitroTPM, which has no endorsement key " +
+					"certificate: its endorsement key must be the one EC2 reports for `instance_id` " +
+					"(`ec2:GetInstanceTpmEkPub`, called with the provider's AWS credentials from the usual chain: " +
+					"environment, shared config, SSO, instance profile). This binds the TPM to that instance, so " +
+					"the secrets go to no other machine, even one that took over the instance's address.",
+				Attributes: map[string]schema.Attribute{
+					"instance_id": schema.StringAttribute{
+						Required:            true,
+						MarkdownDescription: "The EC2 instance id of the first control-plane node (`i-...`).",
+					},
+					"region": schema.StringAttribute{
+						Required:            true,
+						MarkdownDescription: "The instance's region.",
+					},
+					"endpoint": schema.StringAttribute{
+						Optional: true,
+						MarkdownDescription: "An EC2 endpoint instead of AWS's own for the region, such as a VPC " +
+							"endpoint's URL; `https://`, or `http://` on a loopback address (emulators).",
+					},
+				},
 			},
 			"kubernetes_ca_certificate": schema.StringAttribute{
 				Required: true,
@@ -235,12 +269,41 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 			resp.Diagnostics.AddAttributeError(path.Root("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
 		}
 	}
+	switch {
+	case m.EKCACertificates.IsNull() && m.AWS == nil:
+		resp.Diagnostics.AddAttributeError(path.Root("ek_ca_certificates"), "No trust for the node's TPM",
+			"Set ek_ca_certificates (TPMs with endorsement key certificates) or aws (EC2 instances with a NitroTPM): "+
+				"without one of them no node can be attested.")
+	case !m.EKCACertificates.IsNull() && m.AWS != nil:
+		resp.Diagnostics.AddAttributeError(path.Root("aws"), "Two trusts for the node's TPM",
+			"Set only one of ek_ca_certificates and aws: the node's TPM is trusted either by its certificate chain "+
+				"or by what EC2 reports for its instance.")
+	}
 	if known(m.InitTimeout) {
 		if d, err := time.ParseDuration(m.InitTimeout.ValueString()); err != nil || d <= 0 {
 			resp.Diagnostics.AddAttributeError(path.Root("init_timeout"), "Invalid timeout",
 				fmt.Sprintf("%q is not a positive Go duration such as 15m.", m.InitTimeout.ValueString()))
 		}
 	}
+}
+
+// ekTrust is how the node's TPM is trusted: by ek_ca_certificates, or by the EK that EC2 reports for the
+// instance in aws, with the instance id to ask about.
+func ekTrust(ctx context.Context, m *clusterModel, diags *diag.Diagnostics) (attest.EKTrust, string) {
+	if m.AWS != nil {
+		api, err := ec2instances.NewAPI(ctx, m.AWS.Region.ValueString(), m.AWS.Endpoint.ValueString())
+		if err != nil {
+			diags.AddAttributeError(path.Root("aws"), "Cannot reach EC2", err.Error())
+			return nil, ""
+		}
+		return attest.CloudEK{Cloud: "EC2", Source: ec2instances.NewEKs(api, nil)}, m.AWS.InstanceID.ValueString()
+	}
+	roots, inters, err := attest.ParseCABundle([]byte(m.EKCACertificates.ValueString()))
+	if err != nil {
+		diags.AddAttributeError(path.Root("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
+		return nil, ""
+	}
+	return attest.NewCertChain(roots, inters, nil), ""
 }
 
 func known(v types.String) bool { return !v.IsNull() && !v.IsUnknown() }
@@ -255,10 +318,7 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 	}
 	request := initRequest(&plan, &config, &resp.Diagnostics)
 	pcrs := pcrValues(ctx, plan.PCRs, path.Root("pcrs"), &resp.Diagnostics)
-	roots, inters, err := attest.ParseCABundle([]byte(plan.EKCACertificates.ValueString()))
-	if err != nil {
-		resp.Diagnostics.AddAttributeError(path.Root("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
-	}
+	trust, instanceID := ekTrust(ctx, &plan, &resp.Diagnostics)
 	timeout, err := time.ParseDuration(plan.InitTimeout.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddAttributeError(path.Root("init_timeout"), "Invalid timeout", err.Error())
@@ -273,7 +333,8 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 	start := time.Now()
 	result, err := initclient.Init(ctx, initclient.Config{
 		Endpoint:     endpoint,
-		Verifier:     attest.NewVerifier(roots, inters, nil),
+		Verifier:     attest.NewVerifier(trust),
+		InstanceID:   instanceID,
 		ExpectedPCRs: pcrs,
 		Request:      request,
 		Timeout:      timeout,

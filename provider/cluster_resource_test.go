@@ -32,7 +32,8 @@ variable "root_key" {
 }
 
 variable "ek_ca" {
-  type = string
+  type    = string
+  default = null
 }
 
 resource "berth_secrets" "test" {
@@ -104,6 +105,14 @@ func TestClusterResourceRefusals(t *testing.T) {
 				PlanOnly:        true,
 				ExpectError:     regexp.MustCompile(`Invalid EK CA certificates`),
 			},
+			{
+				Config:          clusterConfig(good),
+				ConfigVariables: config.Variables{"root_key": vars["root_key"]},
+				PlanOnly:        true,
+				ExpectError:     regexp.MustCompile(`(?s)No trust for the node's TPM.*Set ek_ca_certificates.*or aws`),
+			},
+			planOnly(good+`  aws = { instance_id = "i-0123456789abcdef0", region = "eu-west-1" }`,
+				`(?s)Two trusts for the node's TPM.*Set only one of ek_ca_certificates and aws`),
 			// Without the secrets nothing is dialed: the error names each missing argument.
 			{
 				Config:          clusterConfig(good),

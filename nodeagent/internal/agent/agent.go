@@ -18,6 +18,7 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/cloud/aws/imds"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
@@ -104,7 +105,8 @@ func kubeClientAt(kubeconfig, server string) (kubernetes.Interface, error) {
 }
 
 // nodeMetadata is where a node learns who it is and which other nodes exist: a metadata service
-// (metadata.Client) or, on bare metal, its user-data file and the machine itself (metadata.Local).
+// (metadata.Client), EC2's IMDS (imds.Client) or, on bare metal, its user-data file and the machine itself
+// (metadata.Local).
 type nodeMetadata interface {
 	Self(ctx context.Context) (*metadata.Self, error)
 	Instances(ctx context.Context) ([]metadata.Instance, error)
@@ -143,9 +145,12 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 	}
 	vol := luks.New(cfg.StateDisk, log)
 	a := &Agent{cfg: cfg, deps: deps, log: log, vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}
-	if cfg.UserDataFile != "" {
+	switch {
+	case cfg.UserDataFile != "":
 		a.meta = &metadata.Local{UserDataFile: cfg.UserDataFile, Address: src}
-	} else {
+	case cfg.AWS != nil:
+		a.meta = &imds.Client{Endpoint: cfg.AWS.IMDSEndpoint}
+	default:
 		a.records = &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src}
 		a.meta = a.records
 	}

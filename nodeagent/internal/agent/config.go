@@ -6,6 +6,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"time"
 
@@ -29,8 +30,13 @@ type Config struct {
 	MetadataURL string `json:"metadataURL,omitempty"`
 	// UserDataFile, on machines without a metadata service (bare metal booted by PXE), is the user-data
 	// cloud-init wrote (berth_node_config's json, /etc/berth/user-data.json); the node is then a worker
-	// named by its hostname. Exactly one of MetadataURL and UserDataFile is set.
+	// named by its hostname.
 	UserDataFile string `json:"userDataFile,omitempty"`
+	// AWS makes the node an EC2 instance: it reads itself from IMDSv2 (its user-data is berth_node_config's
+	// json), and the join service of a control-plane node looks nodes up through the EC2 API and trusts
+	// their TPMs by the EK that EC2 reports for each instance. Exactly one of MetadataURL, UserDataFile and
+	// AWS is set.
+	AWS *AWSConfig `json:"aws,omitempty"`
 	// TPM is the TPM device (/dev/tpmrm0) or a swtpm socket ("unix:/path", "tcp:host:port").
 	TPM string `json:"tpm,omitempty"`
 	// StateDisk is the block device (or, in labs, the image file) of the encrypted state disk.
@@ -103,6 +109,39 @@ type CFSSLConfig struct {
 	AuthKeyFile string `json:"authKeyFile"`
 	// Label picks the signer of a CFSSL with several; empty for one.
 	Label string `json:"label,omitempty"`
+}
+
+// AWSConfig is the EC2 side of a node and of its join service.
+type AWSConfig struct {
+	// AutoscalingGroups maps the autoscaling groups whose instances may join to their role. Only AWS sets an
+	// instance's aws:autoscaling:groupName tag, so no node can pick its own role; instances of other groups,
+	// or of none, are refused. Needed by control-plane nodes, which serve joins.
+	AutoscalingGroups map[string]metadata.Role `json:"autoscalingGroups,omitempty"`
+	// Region and VPCID are where the join service looks nodes up; the control-plane node's own by default
+	// (from IMDS). Instances of other VPCs are never found.
+	Region string `json:"region,omitempty"`
+	VPCID  string `json:"vpcID,omitempty"`
+	// IMDSEndpoint and EC2Endpoint replace AWS's own endpoints, for emulators (tests, labs).
+	IMDSEndpoint string `json:"imdsEndpoint,omitempty"`
+	EC2Endpoint  string `json:"ec2Endpoint,omitempty"`
+}
+
+func (c *AWSConfig) validate() []error {
+	var errs []error
+	for group, role := range c.AutoscalingGroups {
+		if group == "" || !role.Valid() {
+			errs = append(errs, fmt.Errorf("aws.autoscalingGroups: %q: %q is not %q or %q", group, role, metadata.RoleControlPlane, metadata.RoleWorker))
+		}
+	}
+	for name, ep := range map[string]string{"imdsEndpoint": c.IMDSEndpoint, "ec2Endpoint": c.EC2Endpoint} {
+		if ep == "" {
+			continue
+		}
+		if u, err := url.Parse(ep); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			errs = append(errs, fmt.Errorf("aws.%s %q is not an http(s) URL", name, ep))
+		}
+	}
+	return errs
 }
 
 // KubeletConfig is the kubelet's side of the image.
@@ -186,8 +225,17 @@ func (c *Config) Defaults() {
 // Validate says what is missing.
 func (c *Config) Validate() error {
 	var errs []error
-	if (c.MetadataURL == "") == (c.UserDataFile == "") {
-		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service) and userDataFile (bare metal)"))
+	sources := 0
+	for _, set := range []bool{c.MetadataURL != "", c.UserDataFile != "", c.AWS != nil} {
+		if set {
+			sources++
+		}
+	}
+	if sources != 1 {
+		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service), userDataFile (bare metal) and aws (EC2)"))
+	}
+	if c.AWS != nil {
+		errs = append(errs, c.AWS.validate()...)
 	}
 	if c.StateDisk == "" {
 		errs = append(errs, errors.New("stateDisk is required"))

@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"time"
 
@@ -27,6 +29,8 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cfssl"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
+	"github.com/berthlabs/berth/internal/cloud/aws/imds"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -48,7 +52,7 @@ const serverCertValidity = 90 * 24 * time.Hour
 
 // ServeJoinService serves join tickets from this control-plane node's stored cluster secrets until ctx ends.
 func (a *Agent) ServeJoinService(ctx context.Context) error {
-	if a.records == nil {
+	if a.cfg.UserDataFile != "" {
 		return errors.New("join service: a node without a metadata service (userDataFile) serves no joins")
 	}
 	self, err := a.self(ctx)
@@ -69,7 +73,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
 	}
-	verifier, err := ekVerifier(a.cfg.EKCABundle)
+	instances, verifier, err := a.nodeRecords(ctx, log)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -100,7 +104,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		initialPolicy: a.publishInitialPolicy, followPolicy: a.followPolicy(log), log: log,
 	}, joinservice.Config{
 		Verifier:          verifier,
-		Instances:         a.records,
+		Instances:         instances,
 		Tokens:            &joinservice.KubeTokens{Client: kube},
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
@@ -209,6 +213,42 @@ func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
 	return "https://" + net.JoinHostPort(addrs[0].String(), port), nil
 }
 
+// nodeRecords is where a control-plane node's join service finds who a connecting node is and whether its
+// TPM is genuine: on EC2, the EC2 API (instance by address, role by autoscaling group, the EK EC2 reports
+// for the instance); elsewhere the metadata service and the EK CA bundle.
+func (a *Agent) nodeRecords(ctx context.Context, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+	if a.cfg.AWS == nil {
+		verifier, err := ekVerifier(a.cfg.EKCABundle)
+		return a.records, verifier, err
+	}
+	aws := a.cfg.AWS
+	if len(aws.AutoscalingGroups) == 0 {
+		return nil, nil, errors.New("aws.autoscalingGroups in agent.yaml names no autoscaling group: a control-plane node on EC2 admits the instances of the groups listed there, with their roles")
+	}
+	region, vpc := aws.Region, aws.VPCID
+	if region == "" || vpc == "" {
+		meta, ok := a.meta.(*imds.Client)
+		if !ok {
+			return nil, nil, errors.New("aws: region and vpcID are needed when the node does not read IMDS")
+		}
+		r, v, err := meta.Placement(ctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("finding this node's region and VPC: %w", err)
+		}
+		region, vpc = cmp.Or(region, r), cmp.Or(vpc, v)
+	}
+	api, err := ec2instances.NewAPI(ctx, region, aws.EC2Endpoint)
+	if err != nil {
+		return nil, nil, err
+	}
+	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: aws.AutoscalingGroups, Logger: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	log.Info("nodes are looked up in EC2", "region", region, "vpc", vpc, "autoscaling_groups", slices.Sorted(maps.Keys(aws.AutoscalingGroups)))
+	return lookup, attest.NewVerifier(attest.CloudEK{Cloud: "EC2", Source: lookup}), nil
+}
+
 // ekVerifier trusts the TPM vendors' EK CAs in bundle.
 func ekVerifier(bundle string) (*attest.Verifier, error) {
 	data, err := os.ReadFile(bundle)
@@ -219,7 +259,7 @@ func ekVerifier(bundle string) (*attest.Verifier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("EK CA bundle %s: %w", bundle, err)
 	}
-	return attest.NewVerifier(roots, inters, nil), nil
+	return attest.NewVerifier(attest.NewCertChain(roots, inters, nil)), nil
 }
 
 // publishInitialPolicy creates the policy ConfigMap from the init request's policy, unless it exists.
