@@ -28,17 +28,18 @@ func newNodeConfigDataSource() datasource.DataSource {
 }
 
 type nodeConfigModel struct {
-	ClusterName    types.String `tfsdk:"cluster_name"`
-	JoinCAPin      types.String `tfsdk:"join_ca_pin"`
-	JoinPort       types.Int64  `tfsdk:"join_port"`
-	JoinEndpoints  []string     `tfsdk:"join_endpoints"`
-	InitSecretHash types.String `tfsdk:"init_secret_hash"`
-	Hostname       types.String `tfsdk:"hostname"`
-	Role           types.String `tfsdk:"role"`
-	BareMetal      types.Bool   `tfsdk:"bare_metal"`
-	JSON           types.String `tfsdk:"json"`
-	CloudInit      types.String `tfsdk:"cloud_init"`
-	SizeBytes      types.Int64  `tfsdk:"size_bytes"`
+	ClusterName    types.String      `tfsdk:"cluster_name"`
+	JoinCAPin      types.String      `tfsdk:"join_ca_pin"`
+	JoinPort       types.Int64       `tfsdk:"join_port"`
+	JoinEndpoints  []string          `tfsdk:"join_endpoints"`
+	InitSecretHash types.String      `tfsdk:"init_secret_hash"`
+	Hostname       types.String      `tfsdk:"hostname"`
+	Role           types.String      `tfsdk:"role"`
+	ASGroups       map[string]string `tfsdk:"autoscaling_groups"`
+	BareMetal      types.Bool        `tfsdk:"bare_metal"`
+	JSON           types.String      `tfsdk:"json"`
+	CloudInit      types.String      `tfsdk:"cloud_init"`
+	SizeBytes      types.Int64       `tfsdk:"size_bytes"`
 }
 
 func (d *nodeConfigDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
@@ -120,6 +121,14 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 					"same (on AWS, the role configured for the instance's autoscaling group). Unset means worker, " +
 					"and it is left out of `json`. `control-plane` is refused when `bare_metal` is true.",
 			},
+			"autoscaling_groups": schema.MapAttribute{
+				Optional:    true,
+				ElementType: types.StringType,
+				MarkdownDescription: "For the control-plane nodes on AWS EC2: autoscaling group name to role " +
+					"(`control-plane` or `worker`). Their join services admit the instances of these groups only, each " +
+					"with its group's role: the group is the instance's `aws:autoscaling:groupName` tag, which only AWS " +
+					"sets, so no node picks its own role. Leave it out of workers' user-data.",
+			},
 			"json": schema.StringAttribute{
 				Computed:            true,
 				MarkdownDescription: "The user-data as JSON, the form berth-agent reads.",
@@ -159,6 +168,16 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 	if known(role) && !metadata.Role(role.ValueString()).Valid() {
 		resp.Diagnostics.AddAttributeError(path.Root("role"), "Invalid role",
 			fmt.Sprintf("role is %q, want %q or %q.", role.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
+	}
+	var groups types.Map
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("autoscaling_groups"), &groups)...)
+	if !groups.IsNull() && !groups.IsUnknown() {
+		for name, v := range groups.Elements() {
+			if s, ok := v.(types.String); ok && known(s) && !metadata.Role(s.ValueString()).Valid() {
+				resp.Diagnostics.AddAttributeError(path.Root("autoscaling_groups").AtMapKey(name), "Invalid role",
+					fmt.Sprintf("autoscaling group %q has role %q, want %q or %q.", name, s.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
+			}
+		}
 	}
 	if !bareMetal.ValueBool() {
 		return
@@ -205,6 +224,12 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		JoinCAPin:      m.JoinCAPin.ValueString(),
 		InitSecretHash: m.InitSecretHash.ValueString(),
 		Role:           metadata.Role(m.Role.ValueString()),
+	}
+	if len(m.ASGroups) > 0 {
+		u.AutoscalingGroups = make(map[string]metadata.Role, len(m.ASGroups))
+		for group, role := range m.ASGroups {
+			u.AutoscalingGroups[group] = metadata.Role(role)
+		}
 	}
 	doc, cloudInit, err := cloudinit.Render(u, m.Hostname.ValueString())
 	if err != nil {

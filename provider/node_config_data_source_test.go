@@ -258,17 +258,23 @@ variable "bare" {
   default = false
 }
 
+variable "groups" {
+  type    = map(string)
+  default = null
+}
+
 data "berth_node_config" "node" {
-  cluster_name   = "prod"
-  join_ca_pin    = "` + testPin + `"
-  join_endpoints = ["10.0.0.10:7450"]
-  bare_metal     = var.bare
-  role           = var.role
+  cluster_name       = "prod"
+  join_ca_pin        = "` + testPin + `"
+  join_endpoints     = ["10.0.0.10:7450"]
+  bare_metal         = var.bare
+  role               = var.role
+  autoscaling_groups = var.groups
 }
 `
 
 // TestNodeConfigRole: a launch template per role carries the role in the user-data, where no metadata
-// service names it.
+// service names it, and the control-plane nodes' carries the autoscaling groups their join services admit.
 func TestNodeConfigRole(t *testing.T) {
 	role := func(r string, bare bool) config.Variables {
 		return config.Variables{"role": config.StringVariable(r), "bare": config.BoolVariable(bare)}
@@ -283,6 +289,21 @@ func TestNodeConfigRole(t *testing.T) {
 					ClusterName: "prod", JoinEndpoints: []string{"10.0.0.10:7450"}, JoinPort: 7450, JoinCAPin: testPin,
 					Role: metadata.RoleControlPlane,
 				}, ""),
+			},
+			{
+				Config: roleConfig,
+				ConfigVariables: config.Variables{"role": config.StringVariable("control-plane"), "groups": config.MapVariable(map[string]config.Variable{
+					"prod-cp": config.StringVariable("control-plane"), "prod-workers": config.StringVariable("worker")})},
+				Check: checkCloudInit("data.berth_node_config.node", metadata.UserData{
+					ClusterName: "prod", JoinEndpoints: []string{"10.0.0.10:7450"}, JoinPort: 7450, JoinCAPin: testPin,
+					Role: metadata.RoleControlPlane, AutoscalingGroups: map[string]metadata.Role{"prod-cp": metadata.RoleControlPlane, "prod-workers": metadata.RoleWorker},
+				}, ""),
+			},
+			{
+				Config: roleConfig,
+				ConfigVariables: config.Variables{"role": config.StringVariable("control-plane"), "groups": config.MapVariable(map[string]config.Variable{
+					"prod-workers": config.StringVariable("workers")})},
+				ExpectError: regexp.MustCompile(`(?s)Invalid role.*autoscaling group "prod-workers" has role "workers"`),
 			},
 			{
 				Config:          roleConfig,

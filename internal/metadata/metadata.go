@@ -78,6 +78,10 @@ type UserData struct {
 	// Role is the role of the nodes this user-data launches, where no metadata service names it (a launch
 	// template per role on a cloud); empty means worker. The join service checks it against its own record.
 	Role Role `json:"role,omitempty"`
+	// AutoscalingGroups, in the user-data of control-plane nodes on EC2, maps the autoscaling groups whose
+	// instances may join to their role; the join service reads it from its own node's user-data, which no
+	// other node can write.
+	AutoscalingGroups map[string]Role `json:"autoscalingGroups,omitempty"`
 }
 
 // Self is what a node learns about itself.
@@ -178,6 +182,15 @@ func (u UserData) Validate() error {
 	}
 	if u.Role != "" && !u.Role.Valid() {
 		return fmt.Errorf("role %q is not %q or %q", u.Role, RoleControlPlane, RoleWorker)
+	}
+	for group, role := range u.AutoscalingGroups {
+		// EC2 Auto Scaling group names are 1 to 255 characters.
+		if group == "" || len(group) > 255 || strings.ContainsFunc(group, isControl) {
+			return fmt.Errorf("autoscaling group name %q is empty, longer than 255 bytes or has control characters", group)
+		}
+		if !role.Valid() {
+			return fmt.Errorf("autoscaling group %q: role %q is not %q or %q", group, role, RoleControlPlane, RoleWorker)
+		}
 	}
 	return nil
 }

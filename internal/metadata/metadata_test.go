@@ -101,6 +101,15 @@ func TestUserDataValidate(t *testing.T) {
 		{name: "hash old version", mutate: func(u *UserData) { u.InitSecretHash = "$argon2id$v=16$m=1,t=1,p=1$c2FsdA$aGFzaA" }, wantErr: "version is not v=19"},
 		{name: "hash params order", mutate: func(u *UserData) { u.InitSecretHash = "$argon2id$v=19$t=1,m=1,p=1$c2FsdA$aGFzaA" }, wantErr: "not m=…,t=…,p=…"},
 		{name: "hash zero param", mutate: func(u *UserData) { u.InitSecretHash = "$argon2id$v=19$m=1,t=0,p=1$c2FsdA$aGFzaA" }, wantErr: "parameter t is not a positive number"},
+		{name: "role", mutate: func(u *UserData) { u.Role = RoleControlPlane }},
+		{name: "unknown role", mutate: func(u *UserData) { u.Role = "admin" }, wantErr: `role "admin" is not`},
+		{name: "autoscaling groups", mutate: func(u *UserData) {
+			u.AutoscalingGroups = map[string]Role{"prod-cp": RoleControlPlane, "prod-workers": RoleWorker}
+		}},
+		{name: "autoscaling group of no role", mutate: func(u *UserData) { u.AutoscalingGroups = map[string]Role{"prod-workers": "admin"} },
+			wantErr: `autoscaling group "prod-workers": role "admin" is not`},
+		{name: "autoscaling group unnamed", mutate: func(u *UserData) { u.AutoscalingGroups = map[string]Role{"": RoleWorker} },
+			wantErr: "autoscaling group name \"\" is empty"},
 		{name: "hash no salt", mutate: func(u *UserData) { u.InitSecretHash = "$argon2id$v=19$m=1,t=1,p=1$$aGFzaA" }, wantErr: "salt or hash is empty"},
 	}
 	for _, tt := range tests {

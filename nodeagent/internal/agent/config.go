@@ -115,7 +115,8 @@ type CFSSLConfig struct {
 type AWSConfig struct {
 	// AutoscalingGroups maps the autoscaling groups whose instances may join to their role. Only AWS sets an
 	// instance's aws:autoscaling:groupName tag, so no node can pick its own role; instances of other groups,
-	// or of none, are refused. Needed by control-plane nodes, which serve joins.
+	// or of none, are refused. Control-plane nodes, which serve joins, take them from their user-data
+	// (berth_node_config autoscaling_groups) unless set here.
 	AutoscalingGroups map[string]metadata.Role `json:"autoscalingGroups,omitempty"`
 	// Region and VPCID are where the join service looks nodes up; the control-plane node's own by default
 	// (from IMDS). Instances of other VPCs are never found.

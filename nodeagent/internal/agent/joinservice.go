@@ -31,6 +31,7 @@ import (
 	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/imds"
+	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -73,7 +74,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
 	}
-	instances, verifier, err := a.nodeRecords(ctx, log)
+	instances, verifier, err := a.nodeRecords(ctx, self, log)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -216,14 +217,20 @@ func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
 // nodeRecords is where a control-plane node's join service finds who a connecting node is and whether its
 // TPM is genuine: on EC2, the EC2 API (instance by address, role by autoscaling group, the EK EC2 reports
 // for the instance); elsewhere the metadata service and the EK CA bundle.
-func (a *Agent) nodeRecords(ctx context.Context, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
 	if a.cfg.AWS == nil {
 		verifier, err := ekVerifier(a.cfg.EKCABundle)
 		return a.records, verifier, err
 	}
 	aws := a.cfg.AWS
-	if len(aws.AutoscalingGroups) == 0 {
-		return nil, nil, errors.New("aws.autoscalingGroups in agent.yaml names no autoscaling group: a control-plane node on EC2 admits the instances of the groups listed there, with their roles")
+	// The image's agent.yaml may fix the groups; usually the cluster's Terraform names them in the
+	// control-plane nodes' user-data (berth_node_config autoscaling_groups).
+	groups := aws.AutoscalingGroups
+	if len(groups) == 0 {
+		groups = self.UserData.AutoscalingGroups
+	}
+	if len(groups) == 0 {
+		return nil, nil, errors.New("no autoscaling group may join: a control-plane node on EC2 admits the instances of the groups in its user-data (berth_node_config autoscaling_groups) or in agent.yaml's aws.autoscalingGroups, with their roles")
 	}
 	region, vpc := aws.Region, aws.VPCID
 	if region == "" || vpc == "" {
@@ -241,11 +248,11 @@ func (a *Agent) nodeRecords(ctx context.Context, log *slog.Logger) (joinservice.
 	if err != nil {
 		return nil, nil, err
 	}
-	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: aws.AutoscalingGroups, Logger: log})
+	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: groups, Logger: log})
 	if err != nil {
 		return nil, nil, err
 	}
-	log.Info("nodes are looked up in EC2", "region", region, "vpc", vpc, "autoscaling_groups", slices.Sorted(maps.Keys(aws.AutoscalingGroups)))
+	log.Info("nodes are looked up in EC2", "region", region, "vpc", vpc, "autoscaling_groups", slices.Sorted(maps.Keys(groups)))
 	return lookup, attest.NewVerifier(attest.CloudEK{Cloud: "EC2", Source: lookup}), nil
 }
 
