@@ -21,7 +21,12 @@ import (
 
 func newProver(t *testing.T, ca *swtpmtest.CA) *attest.Prover {
 	t.Helper()
-	tpm, err := attest.OpenTPM(ca.NewTPM(t).Device())
+	return proverOn(t, ca.NewTPM(t))
+}
+
+func proverOn(t *testing.T, device *swtpmtest.TPM) *attest.Prover {
+	t.Helper()
+	tpm, err := attest.OpenTPM(device.Device())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -50,25 +50,11 @@ func ekPublic(t *testing.T, p *attest.Prover) *rsa.PublicKey {
 	return pub.(*rsa.PublicKey)
 }
 
-func newBareProver(t *testing.T) *attest.Prover {
-	t.Helper()
-	tpm, err := attest.OpenTPM(swtpmtest.NewTPMWithoutEKCertificate(t).Device())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := attest.NewProver(tpm)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
 // TestCloudEK: a TPM without an EK certificate (AWS's NitroTPM) attests with its EK public key, trusted only
 // when the cloud reports that key for the instance the node is.
 func TestCloudEK(t *testing.T) {
 	ca := swtpmtest.NewCA(t)
-	nitro, other, certified := newBareProver(t), newBareProver(t), newProver(t, ca)
+	nitro, other, certified := proverOn(t, swtpmtest.NewTPMWithoutEKCertificate(t)), proverOn(t, swtpmtest.NewTPMWithoutEKCertificate(t)), newProver(t, ca)
 	cloud := cloudEKs{"i-nitro": ekPublic(t, nitro), "i-other": ekPublic(t, other), "i-certified": ekPublic(t, certified)}
 	v := attest.NewVerifier(attest.CloudEK{Cloud: "EC2", Source: cloud})
 	pcrs := []int{0, 7}

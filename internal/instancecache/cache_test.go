@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/instancecache"
 	"github.com/berthlabs/berth/internal/metadata"
 )
@@ -50,23 +51,6 @@ func (l *countingLookup) count(addr netip.Addr) int {
 	return l.calls[addr]
 }
 
-type fakeClock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-}
-
 var (
 	known   = netip.MustParseAddr("10.0.0.11")
 	unknown = netip.MustParseAddr("10.0.0.66")
@@ -75,7 +59,7 @@ var (
 func TestCacheKeepsAnswersForTTL(t *testing.T) {
 	ctx := context.Background()
 	lookup := &countingLookup{known: known}
-	clock := &fakeClock{now: time.Unix(1e9, 0)}
+	clock := clocktest.New(time.Unix(1e9, 0))
 	c := instancecache.New(instancecache.Config{Lookup: lookup, TTL: 5 * time.Second, Clock: clock.Now})
 
 	for range 3 {
@@ -149,7 +133,7 @@ func TestCacheCallerStopsWaiting(t *testing.T) {
 
 func TestCacheIsBounded(t *testing.T) {
 	lookup := &countingLookup{known: known}
-	clock := &fakeClock{now: time.Unix(1e9, 0)}
+	clock := clocktest.New(time.Unix(1e9, 0))
 	c := instancecache.New(instancecache.Config{Lookup: lookup, MaxEntries: 4, Clock: clock.Now})
 	ctx := context.Background()
 	for i := range 4 {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
 )
 
@@ -39,29 +40,12 @@ func spki(t *testing.T, pub any) []byte {
 	return der
 }
 
-type fakeClock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-}
-
 func TestEKPublic(t *testing.T) {
 	srv := ec2test.New(t)
 	inst := node(1, cpGroup, addrs("10.0.1.10"))
 	inst.EK = spki(t, ekRSA())
 	srv.Put(inst)
-	clock := &fakeClock{now: time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)}
+	clock := clocktest.New(time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC))
 	l := newLookup(t, srv, func(c *Config) { c.Clock = clock.Now })
 
 	got, err := l.EKPublic(t.Context(), inst.ID)

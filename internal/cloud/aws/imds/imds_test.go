@@ -17,6 +17,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -275,27 +276,9 @@ func TestSelf(t *testing.T) {
 	}
 }
 
-// clock is a test's clock, moved by hand.
-type clock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-func (c *clock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *clock) advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-}
-
 func TestTokenReusedUntilShortlyBeforeItsEnd(t *testing.T) {
 	f := newFake(t)
-	clk := &clock{now: time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)}
+	clk := clocktest.New(time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC))
 	c := &Client{Endpoint: serve(t, f).URL, Now: clk.Now}
 
 	for _, step := range []struct {
@@ -308,7 +291,7 @@ func TestTokenReusedUntilShortlyBeforeItsEnd(t *testing.T) {
 		{time.Second, 2}, // a minute before the end: replaced
 		{time.Minute, 2},
 	} {
-		clk.advance(step.advance)
+		clk.Advance(step.advance)
 		if _, err := c.Self(context.Background()); err != nil {
 			t.Fatalf("Self at %s: %v", clk.Now(), err)
 		}
