@@ -8,6 +8,10 @@
 // time; all its state lives in its directory. Up does it all in one process and also initializes the first
 // control-plane node through the attested init client, exactly as the Terraform provider does.
 //
+// An AWS lab (Config.AWS) makes every node an EC2 instance instead: a TPM without EK certificate, an IMDS of
+// its own (AWS's ec2-metadata-mock) inside its network namespace, and an EC2 endpoint that knows it (see
+// AWSConfig).
+//
 // The lab needs root. Everything it makes carries the prefix "berthlab" (bridge, namespaces, veths,
 // cgroups) and lives under its directory, so Down finds and removes all of it.
 package lab
@@ -33,6 +37,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
@@ -80,7 +85,9 @@ type HostConfig struct {
 	KubeBin     string // directory with kubeadm, kubelet, kubectl, kube-apiserver, … and etcd
 	AgentBinary string // berth-agent
 	LabBinary   string // this lab's own command, which serves the metadata
-	Progress    io.Writer
+	// AWS, if set, makes every node an EC2 instance (see AWSConfig); nil for the lab's own metadata service.
+	AWS      *AWSConfig
+	Progress io.Writer
 }
 
 // Config is a whole lab for Up: its host (fields as in HostConfig), its nodes, and the init of the first.
@@ -90,6 +97,7 @@ type Config struct {
 	AgentBinary string
 	LabBinary   string
 	Nodes       []NodeSpec
+	AWS         *AWSConfig
 	Progress    io.Writer
 }
 
@@ -119,7 +127,9 @@ type Lab struct {
 	KubeCA  *pki.CA
 	JoinCA  *pki.CA
 	Timings map[string]time.Duration
-	start   time.Time
+	// EC2 is an AWS lab's EC2 endpoint, in the process that started the host; Close stops it.
+	EC2   *ec2test.Server
+	start time.Time
 	// secrets and userData are the cluster's, in the process that ran Up.
 	secrets  *labSecrets
 	userData metadata.UserData
@@ -127,10 +137,11 @@ type Lab struct {
 
 // hostState is lab.json: what a later process needs to add nodes to the host.
 type hostState struct {
-	KubeBin     string   `json:"kubeBin"`
-	AgentBinary string   `json:"agentBinary"`
-	LabBinary   string   `json:"labBinary"`
-	Images      imageSet `json:"images"`
+	KubeBin     string     `json:"kubeBin"`
+	AgentBinary string     `json:"agentBinary"`
+	LabBinary   string     `json:"labBinary"`
+	Images      imageSet   `json:"images"`
+	AWS         *AWSConfig `json:"aws,omitempty"`
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
@@ -198,6 +209,17 @@ func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 		}
 		*p = abs
 	}
+	if cfg.AWS != nil {
+		if cfg.AWS.IMDSMock == "" {
+			return nil, errors.New("an AWS lab needs the ec2-metadata-mock binary (scripts/build-imds-mock.sh)")
+		}
+		aws := *cfg.AWS
+		var err error
+		if aws.IMDSMock, err = filepath.Abs(aws.IMDSMock); err != nil {
+			return nil, err
+		}
+		cfg.AWS = &aws
+	}
 	if _, err := os.Stat(cfg.Dir); err == nil {
 		return nil, fmt.Errorf("%s exists: a lab is up already, or was not taken down (make lab-down)", cfg.Dir)
 	}
@@ -215,6 +237,11 @@ func (l *Lab) startHost(ctx context.Context) error {
 	}
 	if err := setupBridge(ctx, netip.PrefixFrom(hostAddr, labSubnet.Bits()).String()); err != nil {
 		return err
+	}
+	if l.cfg.AWS != nil {
+		if err := l.startEC2(); err != nil {
+			return err
+		}
 	}
 	// Made once here, so that nodes added at the same time never race on them.
 	for _, target := range nodeMounts {
@@ -252,7 +279,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 		return err
 	}
 	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
-		LabBinary: l.cfg.LabBinary, Images: l.images})
+		LabBinary: l.cfg.LabBinary, Images: l.images, AWS: l.cfg.AWS})
 }
 
 // Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
@@ -276,7 +303,7 @@ func Open(dir string) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary},
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, AWS: st.AWS},
 		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
 	doc, err := readDocument(l.path(documentFile))
 	if err != nil {
@@ -299,7 +326,7 @@ func Up(ctx context.Context, cfg Config) (*Lab, error) {
 		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
 	}
 	l, err := StartHost(ctx, HostConfig{Dir: cfg.Dir, KubeBin: cfg.KubeBin, AgentBinary: cfg.AgentBinary,
-		LabBinary: cfg.LabBinary, Progress: cfg.Progress})
+		LabBinary: cfg.LabBinary, AWS: cfg.AWS, Progress: cfg.Progress})
 	if err != nil {
 		return l, err
 	}
@@ -315,6 +342,10 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	l.KubeCA, l.JoinCA, l.secrets = secrets.kubeCA, secrets.joinCA, secrets
 	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
 		InitSecretHash: secrets.initHash}
+	if l.cfg.AWS != nil {
+		// An instance cannot list the others: its user-data names the join service, on the first node.
+		userData.JoinEndpoints = []string{net.JoinHostPort(nodeAddr(0).String(), strconv.Itoa(joinPort))}
+	}
 	l.userData = userData
 	for _, spec := range specs {
 		if _, err := l.AddNode(ctx, l.machine(spec)); err != nil {
@@ -342,8 +373,12 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 
 // machine is the next machine of a lab Up made: the next address, the first image, the cluster's user-data.
 func (l *Lab) machine(spec NodeSpec) Machine {
-	return Machine{Name: spec.Name, Role: spec.Role, Addr: netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + len(l.Nodes))}),
-		Image: ImageNames[0], UserData: l.userData}
+	return Machine{Name: spec.Name, Role: spec.Role, Addr: nodeAddr(len(l.Nodes)), Image: ImageNames[0], UserData: l.userData}
+}
+
+// nodeAddr is the address of the i-th node a lab Up made.
+func nodeAddr(i int) netip.Addr {
+	return netip.AddrFrom4([4]byte{10, 250, 0, byte(10 + i)})
 }
 
 // Grow adds nodes to a lab Up made, one at a time, each Ready before the next starts: kubeadm joins
@@ -434,9 +469,23 @@ func (l *Lab) startMetadata() error {
 // initCluster does what terraform's berth_cluster does: attest the node against the image's measurements,
 // then send it the init request.
 func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv1.InitResult, error) {
-	roots, inters, err := l.ekCA.Pools()
-	if err != nil {
-		return nil, err
+	var (
+		trust      attest.EKTrust
+		instanceID string
+	)
+	if cp.ec2 != nil {
+		// As berth_cluster's aws block: the TPM is trusted by the EK EC2 reports for the node's instance.
+		cloud, err := l.cloudEKTrust()
+		if err != nil {
+			return nil, err
+		}
+		trust, instanceID = cloud, cp.ec2.ID
+	} else {
+		roots, inters, err := l.ekCA.Pools()
+		if err != nil {
+			return nil, err
+		}
+		trust = attest.NewCertChain(roots, inters, nil)
 	}
 	// The image's measurements come from the manifest's prediction, as terraform's berth_cluster takes them
 	// from berth_image: a node whose PCR 11 differs fails the init here.
@@ -457,7 +506,8 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 	}
 	return initclient.Init(ctx, initclient.Config{
 		Endpoint:     net.JoinHostPort(cp.Addr.String(), fmt.Sprint(initPort)),
-		Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
+		Verifier:     attest.NewVerifier(trust),
+		InstanceID:   instanceID,
 		ExpectedPCRs: expected,
 		Progress:     func(line string) { l.progress("%s: kubeadm: %s", cp.Name, line) },
 		Timeout:      10 * time.Minute,

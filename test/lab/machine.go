@@ -2,6 +2,7 @@ package lab
 
 import (
 	"context"
+	"crypto/rsa"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,6 +38,11 @@ type Machine struct {
 	// cloud-init's part with this #cloud-config (berth_node_config's cloud_init with bare_metal): it writes
 	// its files and sets its hostname at every power-on. UserData is then the one it writes.
 	CloudInit string
+	// In an AWS lab (Config.AWS): Group is the autoscaling group of the machine's instance, its role's
+	// (ControlPlaneGroup, WorkerGroup) when empty; ReportedEK, if set, is the EK that EC2 reports for the
+	// instance instead of its TPM's, as for a node whose TPM is not the instance's.
+	Group      string
+	ReportedEK *rsa.PublicKey
 }
 
 // AddNode adds a machine to the lab and powers it on: it lists the node in the metadata and the nodes'
@@ -58,6 +64,20 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
 	}
 	n := l.newNode(m)
+	switch {
+	case l.cfg.AWS == nil && (m.Group != "" || m.ReportedEK != nil):
+		return nil, fmt.Errorf("node %s: an autoscaling group and an EK reported by EC2 are for AWS labs only", m.Name)
+	case l.cfg.AWS != nil && l.EC2 == nil:
+		return nil, fmt.Errorf("node %s: the lab's EC2 endpoint runs in the process that started its host: only that process adds nodes to an AWS lab", m.Name)
+	case l.cfg.AWS != nil && m.CloudInit != "":
+		return nil, fmt.Errorf("node %s: an EC2 instance is not bare metal", m.Name)
+	case l.cfg.AWS != nil:
+		inst, err := newEC2Instance(m)
+		if err != nil {
+			return nil, fmt.Errorf("node %s: %w", m.Name, err)
+		}
+		n.ec2, n.InstanceID = inst, inst.ID
+	}
 	err := l.withLock(func() error {
 		doc, err := readDocument(l.path(documentFile))
 		if err != nil {
@@ -82,7 +102,7 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 	}
 	l.Nodes = append(l.Nodes, n)
 	l.progress("%s: %s %s, image %s, listed in the metadata", n.Name, n.Role, n.Addr, n.Image)
-	if err := n.create(ctx); err != nil {
+	if err := n.create(ctx, m.UserData); err != nil {
 		return n, l.nodeFailure(n, "create", err)
 	}
 	l.progress("%s: network namespace, cgroup, TPM manufactured, LUKS2 state image", n.Name)
@@ -114,6 +134,9 @@ func (l *Lab) RemoveNode(ctx context.Context, name string) error {
 	}
 	l.progress("%s: power off and remove", name)
 	n.PowerOff()
+	if n.ec2 != nil && l.EC2 != nil {
+		l.EC2.Remove(n.ec2.ID)
+	}
 	var errs []error
 	if left := killProcesses(name, 10*time.Second); len(left) > 0 {
 		errs = append(errs, fmt.Errorf("node %s: processes still alive after SIGKILL: %v", name, left))

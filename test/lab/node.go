@@ -50,8 +50,12 @@ type Node struct {
 	// CloudInit is the #cloud-config of a bare-metal node (Machine.CloudInit), "" for nodes that read the
 	// metadata service.
 	CloudInit string
+	// InstanceID is the node's EC2 instance id in an AWS lab (Config.AWS), empty elsewhere.
+	InstanceID string
 
-	lab      *Lab
+	lab *Lab
+	// ec2 is what the node is to EC2, in an AWS lab.
+	ec2      *ec2Instance
 	holder   int // pid of the process that keeps the mount namespace
 	agentPID int
 	booted   time.Time
@@ -79,6 +83,9 @@ func (n *Node) save() error {
 // load reads node.json, and the cloud-config of a bare-metal node; a node that was never powered on has no
 // node.json.
 func (n *Node) load() error {
+	if err := n.loadAWS(); err != nil {
+		return err
+	}
 	if ci, err := os.ReadFile(n.path(cloudInitFile)); err == nil {
 		n.CloudInit = string(ci)
 	} else if !errors.Is(err, fs.ErrNotExist) {
@@ -111,8 +118,9 @@ func (n *Node) joinCgroupScript() (string, error) {
 	return cgroupScript(filepath.Join(n.Name, "system"))
 }
 
-// create makes what a node keeps across reboots: its cgroup, network namespace, TPM and state disk.
-func (n *Node) create(ctx context.Context) error {
+// create makes what a node keeps across reboots: its cgroup, network namespace, TPM and state disk; an AWS
+// node also its IMDS's configuration, with userData.
+func (n *Node) create(ctx context.Context, userData metadata.UserData) error {
 	for _, d := range []string{"", "tpm", "containerd", "logs"} {
 		if err := os.MkdirAll(n.path(d), 0o700); err != nil {
 			return err
@@ -128,7 +136,15 @@ func (n *Node) create(ctx context.Context) error {
 	if err := os.MkdirAll(n.path("tpm/state"), 0o700); err != nil {
 		return err
 	}
-	if err := n.lab.ekCA.Manufacture(n.path("tpm/state")); err != nil {
+	if n.ec2 != nil {
+		// A NitroTPM: an EK, but no EK certificate; EC2's API vouches for the EK instead.
+		if err := swtpm.ManufactureWithoutCertificates(n.path("tpm/state")); err != nil {
+			return err
+		}
+		if err := n.createAWS(ctx, userData); err != nil {
+			return err
+		}
+	} else if err := n.lab.ekCA.Manufacture(n.path("tpm/state")); err != nil {
 		return err
 	}
 	if err := CreateSparse(n.path("state.img"), 64<<20); err != nil {
@@ -196,6 +212,12 @@ func (n *Node) powerOn(ctx context.Context) error {
 		return err
 	}
 	n.lab.progress("%s: swtpm up, PCR %d measured for image %s", n.Name, imagePCR, n.Image)
+	if n.ec2 != nil {
+		if err := n.powerOnAWS(ctx); err != nil {
+			return err
+		}
+		n.lab.progress("%s: instance %s (group %s) known to EC2, its IMDS on %s", n.Name, n.ec2.ID, n.ec2.Group, imdsAddr)
+	}
 	images := []string{n.lab.images.PauseTar, n.lab.images.WorkloadTar}
 	if n.Role == metadata.RoleControlPlane {
 		images = append(images, n.lab.images.ControlPlane...)
@@ -279,6 +301,11 @@ func (n *Node) start(log string, args ...string) error {
 // startCmd is start returning the process's pid (nsenter and sh exec it, so the pid stays the program's)
 // and a channel that receives its exit.
 func (n *Node) startCmd(log string, args ...string) (int, <-chan error, error) {
+	return n.startCmdEnv(log, nil, args...)
+}
+
+// startCmdEnv is startCmd with env as the process's environment; nil is the host's.
+func (n *Node) startCmdEnv(log string, env []string, args ...string) (int, <-chan error, error) {
 	script, err := n.joinCgroupScript()
 	if err != nil {
 		return 0, nil, err
@@ -291,7 +318,10 @@ func (n *Node) startCmd(log string, args ...string) (int, <-chan error, error) {
 	full := append([]string{"--net=" + n.netns(), "--mount=" + n.mountns(), "--uts=" + n.utsns(), "--", "sh", "-c", script, "sh"}, args...)
 	cmd := exec.Command("nsenter", full...)
 	// kubeadm checks the kubelet's version by running it from PATH, as on an image that installed it.
-	cmd.Env = append(os.Environ(), "PATH="+n.lab.cfg.KubeBin+":"+os.Getenv("PATH"))
+	if env == nil {
+		env = os.Environ()
+	}
+	cmd.Env = append(env, "PATH="+n.lab.cfg.KubeBin+":"+os.Getenv("PATH"))
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -343,7 +373,11 @@ func (n *Node) startContainerd(ctx context.Context, images []string) error {
 // boot starts berth-agent as the image's systemd unit would.
 func (n *Node) boot() error {
 	n.booted = time.Now()
-	pid, exit, err := n.startCmd("agent", n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
+	var env []string
+	if n.ec2 != nil {
+		env = n.agentEnv()
+	}
+	pid, exit, err := n.startCmdEnv("agent", env, n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
 	if err != nil {
 		return err
 	}
@@ -438,10 +472,14 @@ state = "/run/containerd"
 			},
 		},
 	}
-	// A bare-metal node has no metadata service: its agent reads the user-data cloud-init wrote.
-	if n.CloudInit != "" {
+	// A bare-metal node has no metadata service: its agent reads the user-data cloud-init wrote. An EC2
+	// instance reads IMDS, and its join service asks EC2.
+	switch {
+	case n.ec2 != nil:
+		cfg["aws"] = awsAgentConfig()
+	case n.CloudInit != "":
 		cfg["userDataFile"] = cloudinit.UserDataPath
-	} else {
+	default:
 		cfg["metadataURL"] = "http://" + metaAddr
 	}
 	data, err := yaml.Marshal(cfg)

@@ -428,7 +428,11 @@ func (l *Lookup) answers(addrs []netip.Addr, instances []types.Instance) map[net
 			r = answer{inst: inst, err: err}
 			records[i] = r
 			if err != nil {
-				l.log.Debug("EC2 instance refused", "address", a, "instance", bounded(aws.ToString(instances[i].InstanceId)), "reason", err)
+				// A running instance of the cluster's VPC that gets no role (its autoscaling group is not
+				// listed, or it has none) is an operator's matter: the join service's admission refuses it
+				// before any exchange and logs only counts, so this line is the one that says why. The join
+				// service's cache asks about an address at most every few seconds.
+				l.log.Warn("EC2 instance refused", "address", a, "instance", bounded(aws.ToString(instances[i].InstanceId)), "reason", err)
 			}
 		}
 		results[a] = r

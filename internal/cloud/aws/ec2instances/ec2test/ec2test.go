@@ -9,12 +9,20 @@
 package ec2test
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/pem"
 	"encoding/xml"
 	"fmt"
+	"math/big"
 	mrand "math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -25,6 +33,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // APIVersion is the EC2 API version the SDK sends.
@@ -77,6 +86,8 @@ type Server struct {
 	URL string
 	// Region is the region requests must be signed for.
 	Region string
+	// CACertPEM is the CA of the endpoint's certificate, with Options.TLS; nil for plain http.
+	CACertPEM []byte
 
 	srv *httptest.Server
 
@@ -91,6 +102,7 @@ type Server struct {
 	tokens    map[string]pageToken
 	hold      chan struct{}
 	arrived   chan string
+	keyIDs    map[string]bool
 }
 
 type pageToken struct {
@@ -98,9 +110,37 @@ type pageToken struct {
 	query  string // the request's filters, which the token is valid for
 }
 
-// New starts an endpoint for region us-east-1 that t closes when it ends.
+// New starts an endpoint for region us-east-1 on loopback, plain http, that t closes when it ends.
 func New(t testing.TB) *Server {
 	t.Helper()
+	return NewWithOptions(t, Options{})
+}
+
+// Options say where and how an endpoint serves.
+type Options struct {
+	// Addr is the address to listen on, such as a lab bridge's "10.250.0.1:7460"; a free port on 127.0.0.1
+	// when empty.
+	Addr string
+	// TLS serves https, as EC2 does, with a certificate for Addr's host from a CA of the endpoint's own
+	// (CACertPEM), which clients trust (the SDK through AWS_CA_BUNDLE). The SDK's clients, like Berth's,
+	// refuse plain http to anything but loopback.
+	TLS bool
+}
+
+// NewWithOptions starts an endpoint for region us-east-1 as o says, which t closes when it ends.
+func NewWithOptions(t testing.TB, o Options) *Server {
+	t.Helper()
+	s, err := Start(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+// Start starts an endpoint for region us-east-1 as o says, for holders that are not a test themselves
+// (a lab, which a test or a command keeps up); Close stops it.
+func Start(o Options) (*Server, error) {
 	s := &Server{
 		Region:    "us-east-1",
 		instances: map[string]Instance{},
@@ -108,13 +148,98 @@ func New(t testing.TB) *Server {
 		requests:  map[string][]url.Values{},
 		deny:      map[string]bool{},
 		tokens:    map[string]pageToken{},
+		keyIDs:    map[string]bool{},
 	}
-	s.srv = httptest.NewServer(http.HandlerFunc(s.serve))
+	s.srv = httptest.NewUnstartedServer(http.HandlerFunc(s.serve))
+	if o.Addr != "" {
+		ln, err := net.Listen("tcp", o.Addr)
+		if err != nil {
+			s.srv.Close()
+			return nil, fmt.Errorf("ec2test: %w", err)
+		}
+		s.srv.Listener.Close()
+		s.srv.Listener = ln
+	}
+	if !o.TLS {
+		s.srv.Start()
+		s.URL = s.srv.URL
+		return s, nil
+	}
+	host, _, err := net.SplitHostPort(s.srv.Listener.Addr().String())
+	if err != nil {
+		s.srv.Close()
+		return nil, fmt.Errorf("ec2test: %w", err)
+	}
+	cert, caPEM, err := serverCertificate(host)
+	if err != nil {
+		s.srv.Close()
+		return nil, fmt.Errorf("ec2test: %w", err)
+	}
+	s.CACertPEM = caPEM
+	s.srv.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	s.srv.StartTLS()
 	s.URL = s.srv.URL
-	t.Cleanup(s.srv.Close)
-	// Runs before Close: held requests must end for Close to return.
-	t.Cleanup(s.Release)
-	return s
+	return s, nil
+}
+
+// Close stops the endpoint; requests held (Hold) are released first, for Close waits for every request.
+func (s *Server) Close() {
+	s.Release()
+	s.srv.Close()
+}
+
+// serverCertificate makes a CA and a certificate it issues for host (an IP address or a DNS name), valid
+// for a day: what a TLS endpoint needs that its clients pin by the CA.
+func serverCertificate(host string) (tls.Certificate, []byte, error) {
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	now := time.Now()
+	ca := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "ec2test CA"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, caKey.Public(), caKey)
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	if ca, err = x509.ParseCertificate(caDER); err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	leaf := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: host},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	if ip := net.ParseIP(host); ip != nil {
+		leaf.IPAddresses = []net.IP{ip}
+	} else {
+		leaf.DNSNames = []string{host}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, leaf, ca, key.Public(), caKey)
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, caPEM, nil
+}
+
+// AccessKeyIDs are the access key ids that signed the requests so far, sorted: who called.
+func (s *Server) AccessKeyIDs() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]string, 0, len(s.keyIDs))
+	for id := range s.keyIDs {
+		out = append(out, id)
+	}
+	slices.Sort(out)
+	return out
 }
 
 // Put adds instances, replacing those with the same ids.
@@ -217,7 +342,7 @@ func invalidParameter(format string, args ...any) *apiError {
 }
 
 // Credential scope of a SigV4 Authorization header: AKID/date/region/service/aws4_request.
-var credentialScope = regexp.MustCompile(`^AWS4-HMAC-SHA256 Credential=[^/,]+/\d{8}/([^/,]+)/([^/,]+)/aws4_request,`)
+var credentialScope = regexp.MustCompile(`^AWS4-HMAC-SHA256 Credential=([^/,]+)/\d{8}/([^/,]+)/([^/,]+)/aws4_request,`)
 
 func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	requestID := newRequestID()
@@ -240,13 +365,14 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	case m == nil:
 		writeError(w, requestID, &apiError{http.StatusUnauthorized, "AuthFailure", "AWS was not able to validate the provided access credentials"})
 		return
-	case m[1] != s.Region || m[2] != "ec2":
+	case m[2] != s.Region || m[3] != "ec2":
 		writeError(w, requestID, &apiError{http.StatusUnauthorized, "AuthFailure",
-			fmt.Sprintf("Credential should be scoped to a valid region and service ec2, not '%s/%s'", m[1], m[2])})
+			fmt.Sprintf("Credential should be scoped to a valid region and service ec2, not '%s/%s'", m[2], m[3])})
 		return
 	}
 
 	s.mu.Lock()
+	s.keyIDs[m[1]] = true
 	s.calls[action]++
 	s.requests[action] = append(s.requests[action], cloneValues(form))
 	hold, arrived := s.hold, s.arrived

@@ -1,8 +1,11 @@
 package ec2test_test
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
+	"net/http"
 	"net/netip"
 	"strings"
 	"testing"
@@ -155,5 +158,41 @@ func TestPaginator(t *testing.T) {
 	}
 	if pages != 3 || len(all) != 12 {
 		t.Errorf("%d pages, %d instances; want 3 and 12", pages, len(all))
+	}
+}
+
+// TestTLS serves https on an address of the caller's choosing, with a certificate for that address that
+// the endpoint's own CA signed; the SDK trusts it by that CA alone, and the endpoint tells who signed.
+func TestTLS(t *testing.T) {
+	srv := ec2test.NewWithOptions(t, ec2test.Options{Addr: "127.0.0.1:0", TLS: true})
+	if !strings.HasPrefix(srv.URL, "https://127.0.0.1:") {
+		t.Fatalf("URL %s, want https on 127.0.0.1", srv.URL)
+	}
+	srv.Put(ec2test.Instance{ID: "i-00000000000000001", Interfaces: [][]netip.Addr{{netip.MustParseAddr("10.0.0.1")}}})
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(srv.CACertPEM) {
+		t.Fatalf("CACertPEM holds no certificate: %q", srv.CACertPEM)
+	}
+	call := func(roots *x509.CertPool) error {
+		api := ec2.NewFromConfig(aws.Config{
+			Region:      srv.Region,
+			Credentials: credentials.NewStaticCredentialsProvider("AKIAIOSFODNN7EXAMPLE", "secret", ""),
+			HTTPClient:  &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots}}},
+			Retryer:     func() aws.Retryer { return aws.NopRetryer{} },
+		}, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
+		out, err := api.DescribeInstances(t.Context(), &ec2.DescribeInstancesInput{})
+		if err == nil && strings.Join(ids(out), ",") != "i-00000000000000001" {
+			t.Errorf("got %v", ids(out))
+		}
+		return err
+	}
+	if err := call(pool); err != nil {
+		t.Fatal(err)
+	}
+	if err := call(x509.NewCertPool()); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Errorf("a client that does not trust the endpoint's CA: %v, want a certificate error", err)
+	}
+	if got := srv.AccessKeyIDs(); len(got) != 1 || got[0] != "AKIAIOSFODNN7EXAMPLE" {
+		t.Errorf("AccessKeyIDs() = %v", got)
 	}
 }

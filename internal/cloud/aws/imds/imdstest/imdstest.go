@@ -25,13 +25,69 @@ import (
 // Config is what the mock serves; empty values are the mock's defaults.
 type Config struct {
 	InstanceID    string // meta-data/instance-id
-	LocalHostname string // meta-data/local-hostname
+	LocalHostname string // meta-data/local-hostname (and meta-data/hostname)
 	LocalIPv4     string // meta-data/local-ipv4
 	AMIID         string // meta-data/ami-id
+	// Region is meta-data/placement/region, and VPCID the vpc-id of the instance's primary network
+	// interface (meta-data/network/interfaces/macs/<meta-data/mac>/vpc-id).
+	Region, VPCID string
+	// Credentials, if set, are the instance profile's (meta-data/iam/security-credentials/<role>), which
+	// the AWS SDK's default credential chain takes on an instance; the mock's defaults expired in 2020.
+	Credentials *Credentials
 	// UserData is user-data; nil leaves the mock's default ("1234,john,reboot,true").
 	UserData []byte
 	// NoUserData serves no user-data at all (404), as an instance launched without it.
 	NoUserData bool
+}
+
+// Credentials are an instance profile's temporary credentials.
+type Credentials struct {
+	AccessKeyID, SecretAccessKey, Token string
+	Expiration                          time.Time
+}
+
+// The mock's keys (its config file's metadata.values) for the primary interface's VPC, of its default MAC.
+const (
+	keyVPCID       = "mac-vpc-id"
+	keyRegion      = "placement-region"
+	keyCredentials = "iam-security-credentials"
+)
+
+// MockConfig is cfg as the mock's configuration file (--config-file), for callers that run the mock
+// themselves (a lab, inside a node's network namespace).
+func MockConfig(cfg Config) ([]byte, error) {
+	values := map[string]any{}
+	for key, v := range map[string]string{
+		"instance-id": cfg.InstanceID, "local-hostname": cfg.LocalHostname, "hostname": cfg.LocalHostname,
+		"local-ipv4": cfg.LocalIPv4, "ami-id": cfg.AMIID, keyRegion: cfg.Region, keyVPCID: cfg.VPCID,
+	} {
+		if v != "" {
+			values[key] = v
+		}
+	}
+	if c := cfg.Credentials; c != nil {
+		values[keyCredentials] = map[string]string{
+			"Code": "Success", "LastUpdated": time.Now().UTC().Format(time.RFC3339), "Type": "AWS-HMAC",
+			"AccessKeyId": c.AccessKeyID, "SecretAccessKey": c.SecretAccessKey, "Token": c.Token,
+			"Expiration": c.Expiration.UTC().Format(time.RFC3339),
+		}
+	}
+	config := map[string]any{"metadata": map[string]any{"values": values}}
+	switch {
+	case cfg.NoUserData:
+		// The mock serves a path only when it has both a path and a value for it.
+		config["userdata"] = map[string]any{"paths": map[string]string{"userdata": ""}}
+	case cfg.UserData != nil:
+		// The mock holds user-data base64-encoded, as EC2's API takes it, and serves it decoded.
+		config["userdata"] = map[string]any{"values": map[string]string{"userdata": base64.StdEncoding.EncodeToString(cfg.UserData)}}
+	}
+	return json.Marshal(config)
+}
+
+// Args are the mock's arguments to serve configFile on hostname:port with IMDSv2 required. Run it with
+// HOME set to a directory of its own and no AEMM_* variables: it reads both as configuration.
+func Args(hostname string, port int, configFile string) []string {
+	return []string{"--hostname", hostname, "--port", strconv.Itoa(port), "--imdsv2", "--config-file", configFile}
 }
 
 // Server is a running ec2-metadata-mock on 127.0.0.1.
@@ -47,28 +103,10 @@ type Server struct {
 // Start runs the mock with IMDSv2 required and cfg's values; it is stopped when the test ends.
 func Start(t testing.TB, cfg Config) *Server {
 	t.Helper()
-	bin := binary(t)
+	bin := Binary(t)
 	dir := t.TempDir()
 
-	values := map[string]string{}
-	for key, v := range map[string]string{
-		"instance-id": cfg.InstanceID, "local-hostname": cfg.LocalHostname,
-		"local-ipv4": cfg.LocalIPv4, "ami-id": cfg.AMIID,
-	} {
-		if v != "" {
-			values[key] = v
-		}
-	}
-	config := map[string]any{"metadata": map[string]any{"values": values}}
-	switch {
-	case cfg.NoUserData:
-		// The mock serves a path only when it has both a path and a value for it.
-		config["userdata"] = map[string]any{"paths": map[string]string{"userdata": ""}}
-	case cfg.UserData != nil:
-		// The mock holds user-data base64-encoded, as EC2's API takes it, and serves it decoded.
-		config["userdata"] = map[string]any{"values": map[string]string{"userdata": base64.StdEncoding.EncodeToString(cfg.UserData)}}
-	}
-	data, err := json.Marshal(config)
+	data, err := MockConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,11 +120,11 @@ func Start(t testing.TB, cfg Config) *Server {
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 
-	s := &Server{URL: "http://127.0.0.1:" + port, log: &lockedBuffer{}, exited: make(chan struct{})}
-	cmd := exec.Command(bin, "--hostname", "127.0.0.1", "--port", port, "--imdsv2", "--config-file", configFile)
+	s := &Server{URL: "http://127.0.0.1:" + strconv.Itoa(port), log: &lockedBuffer{}, exited: make(chan struct{})}
+	cmd := exec.Command(bin, Args("127.0.0.1", port, configFile)...)
 	// The mock reads AEMM_* variables as configuration and $HOME/aemm-config.json: neither of the
 	// developer's may change what a test serves.
 	cmd.Env = []string{"HOME=" + dir, "PATH=" + os.Getenv("PATH")}
@@ -151,9 +189,9 @@ func (s *Server) TokensIssued() int {
 // Log is what the mock has logged so far, for failure messages.
 func (s *Server) Log() string { return s.log.String() }
 
-// binary returns the ec2-metadata-mock binary of $BERTH_IMDS_MOCK_BIN (a bin directory) or else of
+// Binary returns the ec2-metadata-mock binary of $BERTH_IMDS_MOCK_BIN (a bin directory) or else of
 // scripts/build-imds-mock.sh, which builds it on first use.
-func binary(t testing.TB) string {
+func Binary(t testing.TB) string {
 	t.Helper()
 	dir := repotest.BinDir(t, "BERTH_IMDS_MOCK_BIN", "build-imds-mock.sh", "it needs go and the Go module proxy or cache")
 	bin := filepath.Join(dir, "ec2-metadata-mock")
