@@ -291,7 +291,7 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 // instance in aws, with the instance id to ask about.
 func ekTrust(ctx context.Context, m *clusterModel, diags *diag.Diagnostics) (attest.EKTrust, string) {
 	if m.AWS != nil {
-		api, err := ec2instances.NewAPI(ctx, m.AWS.Region.ValueString(), m.AWS.Endpoint.ValueString())
+		api, err := ec2instances.NewAPI(ctx, m.AWS.Region.ValueString(), m.AWS.Endpoint.ValueString(), nil)
 		if err != nil {
 			diags.AddAttributeError(path.Root("aws"), "Cannot reach EC2", err.Error())
 			return nil, ""

@@ -244,7 +244,7 @@ func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.
 		}
 		region, vpc = cmp.Or(region, r), cmp.Or(vpc, v)
 	}
-	api, err := ec2instances.NewAPI(ctx, region, aws.EC2Endpoint)
+	api, err := ec2instances.NewAPI(ctx, region, aws.EC2Endpoint, log)
 	if err != nil {
 		return nil, nil, err
 	}

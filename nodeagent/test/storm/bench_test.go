@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
 )
 
 // poolSize is the number of swtpm processes the storm's agents share.
@@ -23,10 +25,17 @@ const poolSize = 8
 // realAgents boot as berth-agent processes beside each storm, for the agent's own peak RSS.
 const realAgents = 2
 
+// ec2Throttle is the fraction of EC2 calls ec2test answers RequestLimitExceeded in the throttled EC2 storm.
+const ec2Throttle = 0.2
+
 // TestBench is make bench: storms of N agents (BERTH_BENCH_N, default 100,300,1000) against one join service,
 // then agents started 10 s before the service with Berth's retry schedule beside a group retrying every 30 s
-// on a fixed tick. It prints Markdown tables, and appends them to BERTH_BENCH_OUT if set. Nothing here is a
-// threshold: the figures are for docs/benchmarks.md.
+// on a fixed tick, then (unless BERTH_BENCH_EC2=0) the same storms against a join service on EC2, whose
+// lookups and EKs come from EC2's API, and one of them with a fifth of the EC2 calls throttled. It prints
+// Markdown tables, and appends them to BERTH_BENCH_OUT if set. Nothing here is a threshold: the figures are
+// for docs/benchmarks.md. What is checked is that every agent gets its ticket, and that the EC2 calls stay
+// within what batching and caching promise: at most one DescribeInstances and one GetInstanceTpmEkPub a
+// ticket, throttled calls apart.
 func TestBench(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") == "" {
 		t.Skip("join storm benchmark: make bench runs it (BERTH_BENCH=1)")
@@ -46,19 +55,23 @@ func TestBench(t *testing.T) {
 	fmt.Fprintf(&out, "Storms: N agents boot at once against one join service (%d swtpm processes shared by the agents, %d real `berth-agent boot` processes beside them).\n\n", poolSize, realAgents)
 	out.WriteString("| N | time to ticket p50 | p99 | max | tickets/s | join service CPU-s per ticket | join service peak RSS | agent peak RSS |\n")
 	out.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	plain := map[int]stormResult{}
 	for _, n := range sizes {
-		r := storm(t, n)
-		fmt.Fprintf(&out, "| %d | %.2f s | %.2f s | %.2f s | %.0f | %.4f | %.0f MiB | %.0f MiB |\n",
-			n, r.p50.Seconds(), r.p99.Seconds(), r.max.Seconds(), r.perSecond, r.cpuPerTicket.Seconds(),
-			float64(r.servicePeak)/(1<<20), float64(r.agentPeak)/(1<<20))
+		r := storm(t, n, stormMode{})
+		plain[n] = r
+		fmt.Fprintf(&out, "| %d | %s | %.0f MiB |\n", n, r.cells(), float64(r.agentPeak)/(1<<20))
 	}
-	late := lateService(t, 100)
+	var late []group
+	subtest(t, "late-service", func(t *testing.T) { late = lateService(t, 100) })
 	fmt.Fprintf(&out, "\nTime to ticket after the join service appears: 100 agents with Berth's retry schedule (capped exponential backoff, full jitter, cap 5 s) and 100 retrying every 30 s on a fixed tick start together; the service comes up 10 s later.\n\n")
 	out.WriteString("| group | p50 after the service appears | p99 | max |\n|---|---:|---:|---:|\n")
 	for _, g := range late {
 		fmt.Fprintf(&out, "| %s | %.2f s | %.2f s | %.2f s |\n", g.name, g.p50.Seconds(), g.p99.Seconds(), g.max.Seconds())
 	}
 	fmt.Fprintf(&out, "\nRatio of p99 times, fixed 30 s tick / Berth: **%.1f×**\n", late[1].p99.Seconds()/late[0].p99.Seconds())
+	if os.Getenv("BERTH_BENCH_EC2") != "0" {
+		writeEC2Storms(t, &out, sizes, plain)
+	}
 	t.Logf("\n%s", out.String())
 	if path := os.Getenv("BERTH_BENCH_OUT"); path != "" {
 		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
@@ -72,19 +85,107 @@ func TestBench(t *testing.T) {
 	}
 }
 
+// writeEC2Storms runs the storms of sizes against a join service on EC2, and one of them (the largest size
+// up to 300) with ec2Throttle of the EC2 calls throttled, and writes their table, with each p99 against
+// plain's at the same N.
+func writeEC2Storms(t *testing.T, out *strings.Builder, sizes []int, plain map[int]stormResult) {
+	throttledN := slices.Min(sizes)
+	for _, n := range sizes {
+		if n <= 300 {
+			throttledN = max(throttledN, n)
+		}
+	}
+	type run struct {
+		n int
+		m stormMode
+	}
+	var runs []run
+	for _, n := range sizes {
+		runs = append(runs, run{n, stormMode{ec2: true}})
+	}
+	runs = append(runs, run{throttledN, stormMode{ec2: true, throttle: ec2Throttle}})
+
+	fmt.Fprintf(out, "\nStorms against a join service on EC2: it reads its own record from AWS's IMDS emulator and looks every node up through EC2's API (a local endpoint speaking EC2's wire format, every agent an instance of the workers' autoscaling group); TPMs without EK certificate, trusted by the EK EC2 reports. Calls per ticket count every call EC2 received, throttled ones included.\n\n")
+	out.WriteString("| N | time to ticket p50 | p99 | max | tickets/s | join service CPU-s per ticket | join service peak RSS | DescribeInstances calls per ticket | GetInstanceTpmEkPub calls per ticket | throttled calls | p99 EC2 / plain |\n")
+	out.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, run := range runs {
+		r := storm(t, run.n, run.m)
+		label := strconv.Itoa(run.n)
+		if run.m.throttle > 0 {
+			label += fmt.Sprintf(", %.0f %% of calls throttled", 100*run.m.throttle)
+		}
+		fmt.Fprintf(out, "| %s | %s | %.2f | %.2f | %d | %.1f× |\n", label, r.cells(),
+			float64(r.ec2.describe)/float64(r.ec2.tickets), float64(r.ec2.ek)/float64(r.ec2.tickets), r.ec2.throttled,
+			r.p99.Seconds()/plain[run.n].p99.Seconds())
+	}
+}
+
+// stormMode says against what a storm runs: the plain join service (metadata service, EK certificates) or
+// one on EC2, with a fraction of its EC2 calls throttled.
+type stormMode struct {
+	ec2      bool
+	throttle float64
+}
+
+// name tells a storm's profiles and logs apart.
+func (m stormMode) name(n int) string {
+	switch {
+	case m.throttle > 0:
+		return fmt.Sprintf("ec2-throttled-%d", n)
+	case m.ec2:
+		return fmt.Sprintf("ec2-%d", n)
+	}
+	return strconv.Itoa(n)
+}
+
 type stormResult struct {
 	p50, p99, max          time.Duration
 	perSecond              float64
 	cpuPerTicket           time.Duration
 	servicePeak, agentPeak int64
+	ec2                    ec2Calls
 }
 
-func storm(t *testing.T, n int) stormResult {
+// ec2Calls are the calls EC2 received during a storm, and the tickets the join service issued.
+type ec2Calls struct {
+	describe, ek, throttled, tickets int
+	// The join service's warnings: lookups and EK requests that failed (after the SDK's retries).
+	lookupsFailed, eksFailed int
+}
+
+// cells are a storm's figures that every table shows, from p50 to the service's peak RSS.
+func (r stormResult) cells() string {
+	return fmt.Sprintf("%.2f s | %.2f s | %.2f s | %.0f | %.4f | %.0f MiB", r.p50.Seconds(), r.p99.Seconds(), r.max.Seconds(),
+		r.perSecond, r.cpuPerTicket.Seconds(), float64(r.servicePeak)/(1<<20))
+}
+
+// storm runs a storm of n agents as a subtest: its host (API server, etcd, TPMs, join service) ends with it,
+// before the next storm starts.
+func storm(t *testing.T, n int, mode stormMode) (r stormResult) {
+	subtest(t, "storm-"+mode.name(n), func(t *testing.T) { r = runStorm(t, n, mode) })
+	return r
+}
+
+// subtest runs f as a subtest of t, and ends t if it fails: later figures would be measured against none.
+func subtest(t *testing.T, name string, f func(t *testing.T)) {
 	t.Helper()
-	h := NewHost(t, poolSize)
+	if !t.Run(name, f) {
+		t.FailNow()
+	}
+}
+
+func runStorm(t *testing.T, n int, mode stormMode) stormResult {
+	t.Helper()
+	var h *Host
+	if mode.ec2 {
+		h = NewEC2Host(t, poolSize)
+		h.EC2.ThrottleFraction(mode.throttle)
+	} else {
+		h = NewHost(t, poolSize)
+	}
 	workers := h.AddWorkers(n + realAgents)
 	svc := h.StartService()
-	profile := profileDuring(t, svc, n)
+	profile := profileDuring(t, svc, mode.name(n))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 
@@ -92,7 +193,7 @@ func storm(t *testing.T, n int) stormResult {
 	peaks := make([]int64, realAgents)
 	errs := make([]error, realAgents)
 	for i := range realAgents {
-		tpm := h.EKCA.NewTPM(t)
+		tpm := h.NewTPM(t)
 		wg.Go(func() { peaks[i], _, errs[i] = h.BootAgent(ctx, workers[n+i], tpm) })
 	}
 	start := time.Now()
@@ -116,15 +217,81 @@ func storm(t *testing.T, n int) stormResult {
 	r.p50, r.p99, r.max = quantiles(times)
 	profile()
 	svc.Kill()
+	saveLog(t, svc, mode.name(n))
 	t.Logf("N=%d: %d tickets in %.1fs; p50 %v p99 %v max %v; service %v CPU a ticket, peak RSS %d MiB; agent process peak RSS %d MiB",
 		n, n, end.Sub(start).Seconds(), r.p50, r.p99, r.max, r.cpuPerTicket, r.servicePeak>>20, r.agentPeak>>20)
+	if mode.ec2 {
+		r.ec2 = checkEC2Calls(t, h, svc, n+realAgents)
+	}
 	return r
 }
 
+// checkEC2Calls reads what EC2 was asked during a storm of agents nodes, and checks it against what the
+// join service's batching and caching promise: every node is looked up in batches and its EK asked for once,
+// so EC2 answers at most one DescribeInstances and one GetInstanceTpmEkPub a ticket, apart from the calls it
+// throttled (which the SDK retries).
+func checkEC2Calls(t *testing.T, h *Host, svc *Service, agents int) ec2Calls {
+	t.Helper()
+	log := svc.Log()
+	c := ec2Calls{
+		describe: h.EC2.Calls(ec2test.DescribeInstances), ek: h.EC2.Calls(ec2test.GetInstanceTpmEkPub),
+		throttled: h.EC2.Throttled(), tickets: strings.Count(log, `"msg":"join ticket issued"`),
+		lookupsFailed: strings.Count(log, `"msg":"EC2 instance lookup failed"`), eksFailed: strings.Count(log, `"msg":"EC2 EK request failed"`),
+	}
+	var addrs, most int
+	for _, req := range h.EC2.Requests(ec2test.DescribeInstances) {
+		k := addressesAsked(req)
+		addrs += k
+		most = max(most, k)
+	}
+	t.Logf("EC2: %d tickets; %d DescribeInstances calls asking about %d addresses (%.1f a call, at most %d), %d GetInstanceTpmEkPub calls; %d calls throttled; the join service logged %d failed lookups, %d failed EK requests",
+		c.tickets, c.describe, addrs, float64(addrs)/float64(max(c.describe, 1)), most, c.ek, c.throttled, c.lookupsFailed, c.eksFailed)
+	if c.tickets < agents {
+		t.Errorf("the join service logged %d tickets for %d agents that all got one", c.tickets, agents)
+	}
+	for _, a := range []struct {
+		action string
+		calls  int
+	}{{ec2test.DescribeInstances, c.describe}, {ec2test.GetInstanceTpmEkPub, c.ek}} {
+		if answered := a.calls - c.throttled; answered > c.tickets {
+			t.Errorf("%s: %d calls, %d throttled (of all actions): over %d calls answered for %d tickets, more than one a ticket",
+				a.action, a.calls, c.throttled, answered, c.tickets)
+		}
+	}
+	return c
+}
+
+// addressesAsked counts the values of a DescribeInstances request's address filter.
+func addressesAsked(req url.Values) int {
+	for key, v := range req {
+		if idx, ok := strings.CutSuffix(key, ".Name"); ok && strings.HasPrefix(idx, "Filter.") && v[0] == "network-interface.addresses.private-ip-address" {
+			n := 0
+			for k := range req {
+				if strings.HasPrefix(k, idx+".Value.") {
+					n++
+				}
+			}
+			return n
+		}
+	}
+	return 0
+}
+
+// saveLog keeps the join service's log in BERTH_BENCH_PROFILES/joinservice-name.log, if that is set.
+func saveLog(t *testing.T, svc *Service, name string) {
+	dir := os.Getenv("BERTH_BENCH_PROFILES")
+	if dir == "" {
+		return
+	}
+	if err := os.WriteFile(filepath.Join(dir, "joinservice-"+name+".log"), []byte(svc.Log()), 0o644); err != nil {
+		t.Logf("saving the join service's log: %v", err)
+	}
+}
+
 // profileDuring takes a CPU profile of the service for the storm's first seconds, and a goroutine profile
-// one second in, into BERTH_BENCH_PROFILES/joinservice-N.{pprof,goroutines.txt}, if that is set; the
-// returned func waits for them.
-func profileDuring(t *testing.T, svc *Service, n int) func() {
+// one second in, into BERTH_BENCH_PROFILES/joinservice-name.{pprof,goroutines.txt} (name N, or ec2-N for a
+// service on EC2), if that is set; the returned func waits for them.
+func profileDuring(t *testing.T, svc *Service, name string) func() {
 	dir := os.Getenv("BERTH_BENCH_PROFILES")
 	if dir == "" {
 		return func() {}
@@ -145,10 +312,10 @@ func profileDuring(t *testing.T, svc *Service, n int) func() {
 		io.Copy(f, resp.Body)
 	}
 	var wg sync.WaitGroup
-	wg.Go(func() { fetch("/debug/pprof/profile?seconds=5", fmt.Sprintf("joinservice-%d.pprof", n)) })
+	wg.Go(func() { fetch("/debug/pprof/profile?seconds=5", "joinservice-"+name+".pprof") })
 	wg.Go(func() {
 		time.Sleep(time.Second)
-		fetch("/debug/pprof/goroutine?debug=1", fmt.Sprintf("joinservice-%d.goroutines.txt", n))
+		fetch("/debug/pprof/goroutine?debug=1", "joinservice-"+name+".goroutines.txt")
 	})
 	return wg.Wait
 }

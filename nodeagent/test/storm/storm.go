@@ -8,13 +8,23 @@
 // an activation cost a few milliseconds of swtpm time, so a pool of eight serves a thousand agents in
 // seconds. The kubeadm join after the ticket and the state disk are stand-ins: a storm measures ticket
 // issuance. Real agent processes (Host.BootAgent) boot beside the storm to measure an agent's own memory.
+//
+// A host made by NewEC2Host runs its join service as on EC2 (agent.yaml aws:): the control-plane node reads
+// its own record from AWS's IMDS emulator (imdstest), and the service looks every connecting node up in a
+// local EC2 endpoint (ec2test) and trusts a TPM only if its EK is the one EC2 reports for the instance. Every
+// node is an instance there: each worker's loopback address is the private address of an instance of the
+// workers' autoscaling group, whose EK is that of the TPM the worker uses; the TPMs have no EK certificate,
+// as NitroTPMs. The agents read their own records from the metadata service in both modes.
 package storm
 
 import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -34,6 +44,9 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
+	"github.com/berthlabs/berth/internal/cloud/aws/imds/imdstest"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
@@ -57,20 +70,45 @@ type Host struct {
 	// InitSecret is the init secret whose hash the nodes' user-data holds.
 	InitSecret []byte
 
+	// EC2 and IMDS are what a host of NewEC2Host's join service asks; nil otherwise.
+	EC2  *ec2test.Server
+	IMDS *imdstest.Server
+
 	agentBin string
 	config   string
 	provers  []*attest.Prover
+	// poolEKs are the DER SubjectPublicKeyInfos of the provers' EKs, on EC2 hosts.
+	poolEKs [][]byte
 
 	mu      sync.Mutex
 	workers int
-	service *Service
+	// proverOf is the pool TPM of each worker AddWorkers made, by name.
+	proverOf map[string]int
+	// instances are the EC2 instances of the nodes, by name, on EC2 hosts.
+	instances map[string]ec2test.Instance
+	service   *Service
 }
+
+// EC2 settings of an EC2 host: its VPC and image, and the autoscaling groups of its nodes.
+const (
+	ec2VPC            = "vpc-0b5e7c3a9d1f24e68"
+	ec2Image          = "ami-0f1e2d3c4b5a69788"
+	workerGroup       = "storm-workers"
+	controlPlaneGroup = "storm-control-plane"
+)
 
 // NewHost starts kube-apiserver and etcd, the metadata service and a pool of tpms swtpm processes, and
 // prepares the join service's node (secrets, CA, policy) without starting it.
-func NewHost(t testing.TB, tpms int) *Host {
+func NewHost(t testing.TB, tpms int) *Host { return newHost(t, tpms, false) }
+
+// NewEC2Host is NewHost for a join service on EC2: it also starts a local EC2 endpoint holding the
+// control-plane node's instance, and AWS's IMDS emulator answering for that node; the pool's TPMs have no EK
+// certificate, as NitroTPMs.
+func NewEC2Host(t testing.TB, tpms int) *Host { return newHost(t, tpms, true) }
+
+func newHost(t testing.TB, tpms int, onEC2 bool) *Host {
 	t.Helper()
-	h := &Host{t: t, dir: t.TempDir()}
+	h := &Host{t: t, dir: t.TempDir(), proverOf: map[string]int{}}
 	h.API = kubetest.Start(t)
 	port := uint16(kubetest.FreePort(t))
 	h.JoinAddr = netip.AddrPortFrom(clustertest.ServiceAddr, port).String()
@@ -85,14 +123,22 @@ func NewHost(t testing.TB, tpms int) *Host {
 	h.InitSecret = []byte(secret)
 	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA, InitSecretHash: hash})
 	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
+	if onEC2 {
+		h.EC2 = ec2test.New(t)
+		h.instances = map[string]ec2test.Instance{}
+		h.poolEKs = make([][]byte, tpms)
+	}
 
 	var wg sync.WaitGroup
 	h.provers = make([]*attest.Prover, tpms)
 	errs := make([]error, tpms)
 	for i := range tpms {
-		tpm := h.EKCA.NewTPM(t)
+		tpm := h.NewTPM(t)
 		wg.Go(func() {
 			conn, err := attest.OpenTPM(tpm.Device())
+			if err == nil && onEC2 {
+				h.poolEKs[i], err = rsaEK(conn)
+			}
 			if err == nil {
 				h.provers[i], err = attest.NewProver(conn)
 			}
@@ -108,25 +154,131 @@ func NewHost(t testing.TB, tpms int) *Host {
 			p.Close()
 		}
 	})
+	if onEC2 {
+		h.startIMDS(port, hash)
+	}
 	h.writeServiceNode()
 	return h
 }
 
+// NewTPM starts a TPM of the kind the host's nodes have: manufactured under the host's EK CA, or on an EC2
+// host without EK certificate, as a NitroTPM.
+func (h *Host) NewTPM(t testing.TB) *swtpmtest.TPM {
+	if h.EC2 != nil {
+		return swtpmtest.NewTPMWithoutEKCertificate(t)
+	}
+	return h.EKCA.NewTPM(t)
+}
+
 // AddWorkers gives n more workers instance records, on loopback addresses from 127.1.0.1 up, and returns
-// their names and addresses in order.
+// their names and addresses in order. Each uses a TPM of the pool, round-robin; on an EC2 host each is also
+// an instance of the workers' autoscaling group whose EK is that TPM's.
 func (h *Host) AddWorkers(n int) []metadata.Instance {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	first := h.workers
 	h.workers += n
 	added := make([]metadata.Instance, n)
+	var instances []ec2test.Instance
 	for i := range n {
 		k := first + i + 1
 		addr := netip.AddrFrom4([4]byte{127, byte(1 + k/65536), byte(k / 256 % 256), byte(k % 256)})
 		added[i] = metadata.Instance{Name: fmt.Sprintf("worker-%d", k), Role: metadata.RoleWorker, Addresses: []netip.Addr{addr}}
+		h.proverOf[added[i].Name] = (k - 1) % len(h.provers)
+		if h.EC2 != nil {
+			inst := ec2Instance(k, added[i], workerGroup, h.poolEKs[(k-1)%len(h.provers)])
+			h.instances[inst.PrivateDNSName] = inst
+			instances = append(instances, inst)
+		}
 	}
 	h.AddInstances(added...)
+	if h.EC2 != nil {
+		h.EC2.Put(instances...)
+	}
 	return added
+}
+
+// ec2Instance is node k's running EC2 instance (k = 0 for cp-0) in the host's VPC and autoscaling group,
+// with the EK ek.
+func ec2Instance(k int, rec metadata.Instance, group string, ek []byte) ec2test.Instance {
+	return ec2test.Instance{
+		ID: fmt.Sprintf("i-%017x", k), ImageID: ec2Image, VPCID: ec2VPC, PrivateDNSName: rec.Name,
+		Interfaces: [][]netip.Addr{rec.Addresses}, Tags: map[string]string{ec2instances.GroupTag: group}, EK: ek,
+	}
+}
+
+// startIMDS puts the control-plane node cp-0 into EC2 and serves its own record in AWS's IMDS emulator: its
+// instance, and user-data naming the join endpoint and the autoscaling groups whose instances may join.
+func (h *Host) startIMDS(port uint16, initSecretHash string) {
+	t := h.t
+	cp := metadata.Instance{Name: "cp-0", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{clustertest.ServiceAddr}}
+	inst := ec2Instance(0, cp, controlPlaneGroup, nil)
+	h.instances[cp.Name] = inst
+	h.EC2.Put(inst)
+	userData, err := json.Marshal(metadata.UserData{
+		ClusterName: "storm", JoinEndpoints: []string{h.JoinAddr}, JoinPort: port, JoinCAPin: pki.SPKIPin(h.JoinCA.Cert),
+		InitSecretHash: initSecretHash, Role: metadata.RoleControlPlane,
+		AutoscalingGroups: map[string]metadata.Role{workerGroup: metadata.RoleWorker, controlPlaneGroup: metadata.RoleControlPlane},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.IMDS = imdstest.Start(t, imdstest.Config{InstanceID: inst.ID, LocalHostname: cp.Name,
+		LocalIPv4: clustertest.ServiceAddr.String(), AMIID: ec2Image, UserData: userData})
+}
+
+// useTPM makes tpm worker w's, on an EC2 host: EC2 then reports its EK for w's instance.
+func (h *Host) useTPM(w metadata.Instance, tpm *swtpmtest.TPM) error {
+	if h.EC2 == nil {
+		return nil
+	}
+	conn, err := attest.OpenTPM(tpm.Device())
+	if err != nil {
+		return err
+	}
+	ek, err := rsaEK(conn)
+	conn.Close()
+	if err != nil {
+		return err
+	}
+	h.mu.Lock()
+	inst, ok := h.instances[w.Name]
+	if !ok {
+		h.mu.Unlock()
+		return fmt.Errorf("%s is no EC2 instance of this host's: make it with AddWorkers", w.Name)
+	}
+	inst.EK = ek
+	h.instances[w.Name] = inst
+	h.mu.Unlock()
+	h.EC2.Put(inst)
+	return nil
+}
+
+// rsaEK is the DER SubjectPublicKeyInfo of the EK attest.NewProver presents for tpm: its RSA one.
+func rsaEK(tpm *attest.TPM) ([]byte, error) {
+	eks, err := tpm.EKs()
+	if err != nil {
+		return nil, fmt.Errorf("reading endorsement keys: %w", err)
+	}
+	var pub *rsa.PublicKey
+	for _, ek := range eks {
+		if k, ok := ek.Public.(*rsa.PublicKey); ok && (pub == nil || ek.Certificate != nil) {
+			pub = k
+		}
+	}
+	if pub == nil {
+		return nil, errors.New("the TPM has no RSA endorsement key")
+	}
+	return x509.MarshalPKIXPublicKey(pub)
+}
+
+// awsEnv is the environment of a join service on EC2: the SDK signs with made-up credentials, and nothing of
+// the developer's AWS configuration, nor the real IMDS, is used.
+func (h *Host) awsEnv() []string {
+	env := slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "AWS_") })
+	none := filepath.Join(h.dir, "no-aws-config")
+	return append(env, "AWS_ACCESS_KEY_ID=AKIASTORMBENCH000000", "AWS_SECRET_ACCESS_KEY=storm-bench",
+		"AWS_EC2_METADATA_DISABLED=true", "AWS_CONFIG_FILE="+none, "AWS_SHARED_CREDENTIALS_FILE="+none)
 }
 
 // writeServiceNode lays out what a control-plane node's agent keeps for its join service: the cluster
@@ -173,6 +325,11 @@ func (h *Host) writeServiceNode() {
 		"ekCABundle": filepath.Join(h.dir, "ek-ca.pem"), "kubeconfig": filepath.Join(h.dir, "admin.conf"),
 		"policyFile": filepath.Join(h.dir, "policy.yaml"),
 	}
+	if h.EC2 != nil {
+		// The autoscaling groups come from the node's user-data, as Terraform writes them.
+		delete(cfg, "metadataURL")
+		cfg["aws"] = map[string]any{"region": h.EC2.Region, "vpcID": ec2VPC, "imdsEndpoint": h.IMDS.URL, "ec2Endpoint": h.EC2.URL}
+	}
 	data, err := yaml.Marshal(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -200,6 +357,9 @@ func (h *Host) StartService() *Service {
 	debug := fmt.Sprintf("127.0.0.1:%d", kubetest.FreePort(t))
 	s := &Service{log: &clustertest.SafeBuffer{}, Debug: debug}
 	s.cmd = exec.Command(h.agentBin, "joinservice", "--config", h.config, "--debug-listen", debug)
+	if h.EC2 != nil {
+		s.cmd.Env = h.awsEnv()
+	}
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -302,7 +462,7 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 	a.Disk = newUUID()
 	jc := joinclient.New(joinclient.Config{
 		Metadata: h.Metadata(w.Addresses[0]),
-		Prover:   h.provers[i%len(h.provers)],
+		Prover:   h.prover(i, w),
 		Disk:     disk,
 		Lock:     &nodestate.Lock{},
 		Kubeadm:  noKubeadm{},
@@ -314,6 +474,16 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 	_, a.Err = jc.Join(ctx, statedisk.Prepared{UUID: a.Disk, Fresh: true, InitialKey: make([]byte, 32)})
 	a.Ticket = time.Now()
 	a.Keys = disk.keys
+}
+
+// prover is the pool TPM of the i-th agent of a storm, w: the one AddWorkers gave it.
+func (h *Host) prover(i int, w metadata.Instance) *attest.Prover {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if p, ok := h.proverOf[w.Name]; ok {
+		return h.provers[p]
+	}
+	return h.provers[i%len(h.provers)]
 }
 
 // keyRecorder stands for the state disk: a storm measures tickets, not LUKS.
@@ -335,10 +505,13 @@ func (noKubeadm) Reset(context.Context, func(string)) error {
 	return errors.New("storm agents join fresh disks only")
 }
 
-// BootAgent boots one real `berth-agent boot` process as worker w, with tpm (its own, from h.EKCA), a LUKS2
-// image as its state disk and a kubeadm that succeeds at once, and returns when the agent exits: the node
-// has joined. It returns the process's peak RSS.
+// BootAgent boots one real `berth-agent boot` process as worker w, with tpm (its own, from h.NewTPM), a
+// LUKS2 image as its state disk and a kubeadm that succeeds at once, and returns when the agent exits: the
+// node has joined. It returns the process's peak RSS.
 func (h *Host) BootAgent(ctx context.Context, w metadata.Instance, tpm *swtpmtest.TPM) (peakBytes int64, took time.Duration, err error) {
+	if err := h.useTPM(w, tpm); err != nil {
+		return 0, 0, err
+	}
 	dir := filepath.Join(h.dir, "processes", w.Name)
 	img := filepath.Join(dir, "state.img")
 	kubeadm := filepath.Join(dir, "kubeadm")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/url"
@@ -14,6 +15,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/service/ec2"
 	"github.com/aws/smithy-go"
+	"github.com/aws/smithy-go/logging"
 )
 
 // Retries of one EC2 call. EC2 throttles per account and region with token buckets that refill at a fixed
@@ -60,8 +62,9 @@ func (j fullJitter) BackoffDelay(attempt int, _ error) (time.Duration, error) {
 
 // NewAPI returns an EC2 client for region with the SDK's default credential chain (on EC2, the instance
 // profile's role, through IMDS) and the retryer above. endpoint, if set, replaces AWS's endpoint (a VPC
-// endpoint's DNS name, or a test endpoint); it must be https, or http on a loopback address.
-func NewAPI(ctx context.Context, region, endpoint string) (*ec2.Client, error) {
+// endpoint's DNS name, or a test endpoint); it must be https, or http on a loopback address. The SDK's own
+// warnings go to log (nil discards them), as structured lines like every other.
+func NewAPI(ctx context.Context, region, endpoint string, log *slog.Logger) (*ec2.Client, error) {
 	if region == "" {
 		return nil, errors.New("EC2 client: region is empty")
 	}
@@ -70,9 +73,13 @@ func NewAPI(ctx context.Context, region, endpoint string) (*ec2.Client, error) {
 			return nil, fmt.Errorf("EC2 client: %w", err)
 		}
 	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	cfg, err := config.LoadDefaultConfig(ctx,
 		config.WithRegion(region),
 		config.WithRetryer(newRetryer(baseBackoff, maxBackoff)),
+		config.WithLogger(sdkLogger{log.With("component", "aws-sdk")}),
 	)
 	if err != nil {
 		return nil, fmt.Errorf("EC2 client: loading the AWS configuration: %w", err)
@@ -82,6 +89,17 @@ func NewAPI(ctx context.Context, region, endpoint string) (*ec2.Client, error) {
 			o.BaseEndpoint = aws.String(endpoint)
 		}
 	}), nil
+}
+
+// sdkLogger writes the SDK's log lines (warnings such as a response body it could not drain) to slog.
+type sdkLogger struct{ log *slog.Logger }
+
+func (l sdkLogger) Logf(c logging.Classification, format string, v ...any) {
+	level := slog.LevelInfo
+	if c == logging.Warn {
+		level = slog.LevelWarn
+	}
+	l.log.Log(context.Background(), level, fmt.Sprintf(format, v...))
 }
 
 // checkEndpoint refuses endpoints whose answers anyone on the path could forge: the answers give roles.

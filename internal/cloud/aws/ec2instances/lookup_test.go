@@ -506,7 +506,7 @@ func TestNewAPI(t *testing.T) {
 	t.Setenv("AWS_ENDPOINT_URL", "")
 	t.Setenv("AWS_ENDPOINT_URL_EC2", "")
 
-	api, err := NewAPI(t.Context(), srv.Region, srv.URL)
+	api, err := NewAPI(t.Context(), srv.Region, srv.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -527,7 +527,7 @@ func TestNewAPI(t *testing.T) {
 	}
 
 	// Signed for another region: EC2 refuses it.
-	other, err := NewAPI(t.Context(), "eu-west-1", srv.URL)
+	other, err := NewAPI(t.Context(), "eu-west-1", srv.URL, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -542,7 +542,7 @@ func TestNewAPI(t *testing.T) {
 		{"us-east-1", "https://user:pw@ec2.example.com", "scheme://host"},
 		{"us-east-1", "127.0.0.1:443", ""},
 	} {
-		_, err := NewAPI(t.Context(), tc.region, tc.endpoint)
+		_, err := NewAPI(t.Context(), tc.region, tc.endpoint, nil)
 		if err == nil || tc.want != "" && !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("NewAPI(%q, %q): %v, want an error saying %q", tc.region, tc.endpoint, err, tc.want)
 		}
