@@ -76,8 +76,9 @@ locals {
   # The groups' names are known before they exist, so the control-plane nodes' user-data can name them.
   control_plane_group = "${local.cluster_name}-control-plane"
   worker_group        = "${local.cluster_name}-workers"
+  # berth-manifest names an AMI copied to another region "<image>-<region>"; the UKI, so the PCRs, are the same.
   ami = one([for image in data.berth_image.all.images : image.artifact_id
-  if image.name == var.image && image.region == var.region])
+  if contains([var.image, "${var.image}-${var.region}"], image.name) && image.region == var.region])
 }
 
 data "berth_image" "node" {

@@ -45,10 +45,13 @@ type Config struct {
 	// The unified kernel image (UKI) the image boots, whose measurements are predicted. Defaults to the
 	// one artifact file whose name ends in `.efi`.
 	UKI string `mapstructure:"uki"`
-	// What the image is launched by: defaults to the builder's artifact id (an AMI id for amazon-ebs).
-	// Set it where that id says little, such as the disk image's path for qemu.
+	// What the image is launched by: defaults to the builder's artifact id; an Amazon builder's
+	// (`region:ami-id`, one per region) becomes one entry per region with that region's AMI id. Set it
+	// where the builder's id says little, such as the disk image's path for qemu.
 	ArtifactID string `mapstructure:"artifact_id"`
-	// Region of the artifact, for builders that have one (amazon-ebs); empty otherwise.
+	// Region of the artifact. For an Amazon builder's AMIs in several regions, the region whose entry is
+	// called image_name (the others are called `<image_name>-<region>`); taken from the artifact when it
+	// has one region. Empty otherwise.
 	Region string `mapstructure:"region"`
 	// Versions of the components baked in, such as `{ kubernetes = "v1.36.3" }`.
 	Components map[string]string `mapstructure:"components"`
@@ -100,28 +103,38 @@ func (p *PostProcessor) PostProcess(ctx context.Context, ui packersdk.Ui, artifa
 	if err != nil {
 		return nil, false, false, fmt.Errorf("predicting the measurements of %s: %w", uki, err)
 	}
-	img := imagemanifest.Image{
+	base := imagemanifest.Image{
 		Name:       p.config.ImageName,
 		Builder:    p.config.PackerBuilderType,
-		ArtifactID: cmp.Or(p.config.ArtifactID, artifact.Id()),
-		Region:     p.config.Region,
 		PCRs:       make(map[string]string, len(pcrs)),
 		Components: p.config.Components,
 	}
 	for _, i := range slices.Sorted(maps.Keys(pcrs)) {
-		img.PCRs[strconv.Itoa(i)] = hex.EncodeToString(pcrs[i])
+		base.PCRs[strconv.Itoa(i)] = hex.EncodeToString(pcrs[i])
 		ui.Message(fmt.Sprintf("PCR %2d = %x", i, pcrs[i]))
 	}
 	ui.Message(fmt.Sprintf("predicted in %.2fs", time.Since(start).Seconds()))
-	if err := img.Validate(); err != nil {
-		return nil, false, false, fmt.Errorf("the image's manifest entry: %w", err)
-	}
-	if err := update(p.config.Output, img); err != nil {
+	images, err := p.entries(artifact.Id(), base)
+	if err != nil {
 		return nil, false, false, err
 	}
-	ui.Say(fmt.Sprintf("Wrote image %s to %s", img.Name, p.config.Output))
-	// The build's artifact stays what it is; this one is its entry in the manifest.
-	return &Artifact{path: p.config.Output, image: img}, true, false, nil
+	for _, img := range images {
+		if err := img.Validate(); err != nil {
+			return nil, false, false, fmt.Errorf("the image's manifest entry %s: %w", img.Name, err)
+		}
+	}
+	if err := update(p.config.Output, images...); err != nil {
+		return nil, false, false, err
+	}
+	for _, img := range images {
+		where := img.ArtifactID
+		if img.Region != "" {
+			where += " in " + img.Region
+		}
+		ui.Say(fmt.Sprintf("Wrote image %s (%s) to %s", img.Name, where, p.config.Output))
+	}
+	// The build's artifact stays what it is; this one is its entries in the manifest.
+	return &Artifact{path: p.config.Output, images: images}, true, false, nil
 }
 
 // byIndex orders PCR indexes ("4", "11") as numbers.
@@ -153,8 +166,8 @@ func (p *PostProcessor) findUKI(artifact packersdk.Artifact) (string, error) {
 	}
 }
 
-// update writes img into the manifest at path, replacing an image of the same name, atomically.
-func update(path string, img imagemanifest.Image) error {
+// update writes images into the manifest at path, each replacing an image of the same name, atomically.
+func update(path string, images ...imagemanifest.Image) error {
 	m := &imagemanifest.Manifest{Version: imagemanifest.Version}
 	data, err := os.ReadFile(path)
 	switch {
@@ -166,10 +179,12 @@ func update(path string, img imagemanifest.Image) error {
 			return fmt.Errorf("the manifest %s exists but is not valid, so it is left as it is: %w", path, err)
 		}
 	}
-	if i := slices.IndexFunc(m.Images, func(x imagemanifest.Image) bool { return x.Name == img.Name }); i >= 0 {
-		m.Images[i] = img
-	} else {
-		m.Images = append(m.Images, img)
+	for _, img := range images {
+		if i := slices.IndexFunc(m.Images, func(x imagemanifest.Image) bool { return x.Name == img.Name }); i >= 0 {
+			m.Images[i] = img
+		} else {
+			m.Images = append(m.Images, img)
+		}
 	}
 	if err := m.Validate(); err != nil {
 		return fmt.Errorf("the updated manifest: %w", err)

@@ -127,7 +127,7 @@ func TestDocsListEveryOption(t *testing.T) {
 }
 
 func TestArtifact(t *testing.T) {
-	a := &Artifact{path: "out/berth-image.json", image: imagemanifest.Image{Name: "berth-node", PCRs: map[string]string{"12": "00", "4": "aa", "11": "bb", "9": "cc"}}}
+	a := &Artifact{path: "out/berth-image.json", images: []imagemanifest.Image{{Name: "berth-node", PCRs: map[string]string{"12": "00", "4": "aa", "11": "bb", "9": "cc"}}}}
 	if a.Id() != "berth-node" || len(a.Files()) != 1 || a.Files()[0] != "out/berth-image.json" || a.BuilderId() != BuilderID {
 		t.Errorf("artifact id %q, files %v, builder %q", a.Id(), a.Files(), a.BuilderId())
 	}

@@ -9,11 +9,11 @@ import (
 	"os"
 	"path"
 	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 	"unicode"
 
+	"github.com/berthlabs/berth/packer/internal/remote"
 	"github.com/hashicorp/packer-plugin-sdk/common"
 	"github.com/hashicorp/packer-plugin-sdk/template/config"
 	"github.com/hashicorp/packer-plugin-sdk/template/interpolate"
@@ -99,10 +99,10 @@ func (c *Config) Prepare(raws ...any) error {
 	c.ExecuteCommand = cmp.Or(c.ExecuteCommand, DefaultExecuteCommand)
 
 	var errs []error
-	if err := checkAbsolute(c.InstallPrefix); err != nil {
+	if err := remote.CheckAbsolute(c.InstallPrefix); err != nil {
 		errs = append(errs, fmt.Errorf("install_prefix: %w", err))
 	}
-	if err := checkStaging(c.StagingDirectory); err != nil {
+	if err := remote.CheckStaging(c.StagingDirectory); err != nil {
 		errs = append(errs, fmt.Errorf("staging_directory: %w", err))
 	}
 	if _, err := c.executeCommand(); err != nil {
@@ -170,7 +170,7 @@ func checkFile(option string, f File) (item, []error) {
 	} else if err := checkSource(f.Source); err != nil {
 		errs = append(errs, fmt.Errorf("%s: source: %w", option, err))
 	}
-	switch err := checkAbsolute(f.Destination); {
+	switch err := remote.CheckAbsolute(f.Destination); {
 	case f.Destination == "":
 		errs = append(errs, fmt.Errorf("%s: destination is required: the absolute path in the image, such as /usr/bin/kubelet", option))
 	case strings.HasSuffix(f.Destination, "/"):
@@ -209,38 +209,6 @@ var sha256Hex = regexp.MustCompile(`^[0-9a-f]{64}$`)
 func checkSHA256(s string) error {
 	if !sha256Hex.MatchString(s) {
 		return fmt.Errorf("%q is not a SHA-256: want 64 lowercase hex digits", s)
-	}
-	return nil
-}
-
-// checkAbsolute accepts only clean absolute paths, so what the build's output shows is where files land.
-func checkAbsolute(p string) error {
-	switch {
-	case !path.IsAbs(p):
-		return fmt.Errorf("%q is not an absolute path", p)
-	case slices.Contains(strings.Split(p, "/"), ".."):
-		return fmt.Errorf("%q contains ..", p)
-	case strings.IndexFunc(p, unicode.IsControl) >= 0:
-		return fmt.Errorf("%q contains a control character", p)
-	case path.Clean(p) != p:
-		return fmt.Errorf("%q is not a clean path: write %q", p, path.Clean(p))
-	}
-	return nil
-}
-
-// stagingChars are what a staging directory may hold: execute_command puts the script's path between
-// quotes of the user's choosing.
-var stagingChars = regexp.MustCompile(`^[A-Za-z0-9._+/-]+$`)
-
-func checkStaging(p string) error {
-	if err := checkAbsolute(p); err != nil {
-		return err
-	}
-	if p == "/" {
-		return errors.New("the staging directory is removed after the install: / cannot be it")
-	}
-	if !stagingChars.MatchString(p) {
-		return fmt.Errorf("%q: only letters, digits and . _ + - / please, as execute_command quotes it", p)
 	}
 	return nil
 }

@@ -18,8 +18,8 @@ import (
 	"os"
 	"path"
 	"strings"
-	"sync"
 
+	"github.com/berthlabs/berth/packer/internal/remote"
 	"github.com/hashicorp/hcl/v2/hcldec"
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 )
@@ -78,7 +78,7 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 		return err
 	}
 	staging := p.config.StagingDirectory
-	if err := run(ctx, ui, comm, fmt.Sprintf("mkdir -p %s && chmod 0700 %s", quote(staging), quote(staging))); err != nil {
+	if err := remote.Run(ctx, ui, comm, fmt.Sprintf("mkdir -p %s && chmod 0700 %s", remote.Quote(staging), remote.Quote(staging))); err != nil {
 		return fmt.Errorf("creating the staging directory %s: %w", staging, err)
 	}
 	for _, it := range p.config.items {
@@ -105,7 +105,7 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 		return err
 	}
 	ui.Say(fmt.Sprintf("Installing %d files under %s", len(p.config.items), p.config.InstallPrefix))
-	if err := run(ctx, ui, comm, command); err != nil {
+	if err := remote.Run(ctx, ui, comm, command); err != nil {
 		return fmt.Errorf("the install script: %w", err)
 	}
 	return nil
@@ -156,42 +156,6 @@ func (it item) upload(ui packersdk.Ui, comm packersdk.Communicator, dst string) 
 	progress := ui.TrackProgress(path.Base(it.source), 0, (*fi).Size(), r)
 	defer progress.Close()
 	return comm.Upload(dst, progress, fi)
-}
-
-// run runs a command through the communicator, shows its output as it comes, and returns an error
-// carrying that output if the command fails.
-func run(ctx context.Context, ui packersdk.Ui, comm packersdk.Communicator, command string) error {
-	var out lockedBuffer
-	cmd := &packersdk.RemoteCmd{Command: command, Stdout: &out, Stderr: &out}
-	if err := cmd.RunWithUi(ctx, comm, ui); err != nil {
-		return fmt.Errorf("running %s: %w", command, err)
-	}
-	switch status := cmd.ExitStatus(); status {
-	case 0:
-		return nil
-	case packersdk.CmdDisconnect:
-		return fmt.Errorf("%s: the remote side disconnected", command)
-	default:
-		return fmt.Errorf("%s exited with status %d:\n%s", command, status, strings.TrimSpace(out.String()))
-	}
-}
-
-// lockedBuffer collects a command's stdout and stderr, which communicators write from two goroutines.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 func formatSize(n int64) string {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"path"
 	"strings"
+
+	"github.com/berthlabs/berth/packer/internal/remote"
 )
 
 // script is the install script: run by a POSIX sh on the machine the communicator reaches, it checks
@@ -13,7 +15,7 @@ func (p *Provisioner) script(sums []string) string {
 	prefix := p.config.InstallPrefix
 	var b strings.Builder
 	b.WriteString("#!/bin/sh\n# Written by the berth-agent provisioner of packer-plugin-berth.\nset -eu\n")
-	fmt.Fprintf(&b, "staging=%s\n", quote(p.config.StagingDirectory))
+	fmt.Fprintf(&b, "staging=%s\n", remote.Quote(p.config.StagingDirectory))
 	b.WriteString(`trap 'rm -rf "$staging"' EXIT
 cd "$staging"
 
@@ -25,7 +27,7 @@ sha256sum -c <<'EOF' || { echo "berth-agent: a staged file differs from the one 
 	}
 	b.WriteString("EOF\n\n# install would put a file into a directory of the same name: refuse before installing anything.\nfor target in")
 	for _, it := range p.config.items {
-		fmt.Fprintf(&b, " %s", quote(path.Join(prefix, it.dest)))
+		fmt.Fprintf(&b, " %s", remote.Quote(path.Join(prefix, it.dest)))
 	}
 	b.WriteString(`; do
 	if [ -d "$target" ]; then
@@ -37,14 +39,14 @@ done
 `)
 	for _, it := range p.config.items {
 		target := path.Join(prefix, it.dest)
-		fmt.Fprintf(&b, "install -D -m %s %s %s\necho %s\n", it.mode, quote(it.staged), quote(target), quote("installed "+target+" (mode "+it.mode+")"))
+		fmt.Fprintf(&b, "install -D -m %s %s %s\necho %s\n", it.mode, remote.Quote(it.staged), remote.Quote(target), remote.Quote("installed "+target+" (mode "+it.mode+")"))
 	}
 
 	// systemctl enable works offline (in a chroot, or on a mounted root with --root); without systemctl,
 	// the link it would make is made here.
 	systemctl := "systemctl enable " + UnitName
 	if prefix != "/" {
-		systemctl = fmt.Sprintf("systemctl --root=%s enable %s", quote(prefix), UnitName)
+		systemctl = fmt.Sprintf("systemctl --root=%s enable %s", remote.Quote(prefix), UnitName)
 	}
 	link := path.Join(prefix, WantsLink)
 	fmt.Fprintf(&b, `
@@ -55,11 +57,6 @@ else
 	ln -sf %s %s
 	echo "enabled %s (linked into %s)"
 fi
-`, systemctl, quote(path.Dir(link)), UnitPath, quote(link), UnitName, path.Dir(WantsLink))
+`, systemctl, remote.Quote(path.Dir(link)), UnitPath, remote.Quote(link), UnitName, path.Dir(WantsLink))
 	return b.String()
-}
-
-// quote makes s one word for sh.
-func quote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'"'"'`) + "'"
 }

@@ -1,0 +1,219 @@
+# An AMI for EC2 instances with NitroTPM that boots a unified kernel image (UKI) whose TPM measurements
+# berth-image.json predicts, so that a join policy admits exactly the nodes launched from it.
+#
+# The build instance is Debian 12's own AMI. The berth-agent provisioner installs the agent, its unit and
+# aws/agent.yaml; berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
+# and the build instance's own kernel, initrd, os-release and command line, and installs it on the instance's
+# EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays
+# zero) from that same file and records them with the AMI id of each region.
+#
+# What the prediction covers: the UKI's Authenticode hash and that of the kernel in it (PCR 4), the embedded
+# command line and the initrd as the kernel measures them (PCR 9), every UKI section (PCR 11). What it does
+# not cover: the firmware's own PCRs (0-3, 5-7), which are EC2's, and the root file system (the agent, the
+# kubelet), which Debian's initrd mounts from the EBS volume unmeasured. The PCRs prove the kernel, initrd and
+# command line a node booted, not what its root volume holds: an AMI registered from another snapshot with
+# the same UKI measures the same.
+#
+# Why the AMI boots the UKI: amazon-ebssurrogate registers the AMI (RegisterImage) from a snapshot of the build
+# instance's own root volume with boot_mode "uefi", tpm_support "v2.0" and no uefi_data, so every instance
+# starts with an empty UEFI variable store: no boot entry names Debian's shim or GRUB, and the firmware starts
+# the removable-media path of the boot disk, EFI/BOOT/BOOTX64.EFI, which is the UKI. (amazon-ebs cannot
+# make this AMI: it uses CreateImage, and v1.8.0 has no tpm_support or boot_mode.) The prediction was checked
+# against a real boot under QEMU with OVMF and a swtpm (make e2e-measured-boot); EC2's firmware is also EDK2,
+# but a boot on EC2 has not been checked from this repository: compare the first node's PCRs
+# (/sys/class/tpm/tpm0/pcr-sha256/4, 9, 11, 12) with the manifest before relying on it.
+#
+# The image must not change the UKI afterwards. Debian's cloud images install GRUB to the removable-media path
+# too, so an upgrade of GRUB would replace the UKI: the node would then boot GRUB, its PCR 4 would differ and
+# the join service would refuse it. The build therefore masks apt's timers, which start unattended upgrades;
+# nodes are replaced by new images, not upgraded in place.
+#
+#   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
+#   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
+#   cd examples/packer && packer init aws.pkr.hcl
+#   packer build -var "stub=$parts/linuxx64.efi.stub" -var agent_binary=/tmp/berth-agent aws.pkr.hcl
+
+packer {
+  required_plugins {
+    amazon = {
+      version = "= 1.8.0"
+      source  = "github.com/hashicorp/amazon"
+    }
+    berth = {
+      version = ">= 0.1.0"
+      source  = "github.com/berthlabs/berth"
+    }
+  }
+}
+
+variable "region" {
+  type        = string
+  description = "Region of the build; its entry in berth-image.json is called image_name."
+  default     = "eu-central-1"
+}
+
+variable "ami_regions" {
+  type        = list(string)
+  description = "Further regions to copy the AMI to; their entries are called <image_name>-<region>."
+  default     = []
+}
+
+variable "instance_type" {
+  type        = string
+  description = "Type of the build instance."
+  default     = "m6i.large"
+}
+
+variable "stub" {
+  type        = string
+  description = "systemd-stub 252 on this machine, from Debian 12's systemd-boot-efi (scripts/boot-parts.sh)."
+}
+
+variable "agent_binary" {
+  type        = string
+  description = "A static berth-agent (CGO_ENABLED=0 go build ./nodeagent/cmd/berth-agent)."
+}
+
+variable "agent_sha256" {
+  type        = string
+  description = "The SHA-256 agent_binary must have; empty accepts any."
+  default     = ""
+}
+
+variable "kubernetes_files" {
+  type = list(object({
+    source      = string
+    destination = string
+    sha256      = string
+  }))
+  description = "kubeadm, kubelet and kubectl, each pinned by its SHA-256."
+  default     = []
+}
+
+variable "kubernetes_version" {
+  type    = string
+  default = ""
+}
+
+variable "image_name" {
+  type    = string
+  default = "berth-node-aws"
+}
+
+variable "manifest" {
+  type    = string
+  default = "berth-image.json"
+}
+
+variable "uki" {
+  type        = string
+  description = "Where berth-uki-install writes the UKI on this machine, for berth-manifest."
+  default     = "output-aws/berth.efi"
+}
+
+locals {
+  ami_name = "${var.image_name}-${formatdate("YYYYMMDDhhmmss", timestamp())}"
+}
+
+source "amazon-ebssurrogate" "node" {
+  region        = var.region
+  ami_regions   = var.ami_regions
+  instance_type = var.instance_type
+
+  source_ami_filter {
+    owners      = ["136693071363"] # Debian
+    most_recent = true
+    filters = {
+      name                = "debian-12-amd64-*"
+      architecture        = "x86_64"
+      root-device-type    = "ebs"
+      virtualization-type = "hvm"
+    }
+  }
+  ssh_username = "admin"
+
+  # The build instance's own root volume becomes the AMI's: kept after the instance ends, snapshotted once
+  # the instance has stopped, registered as the root device.
+  launch_block_device_mappings {
+    device_name           = "/dev/xvda"
+    volume_size           = 8
+    volume_type           = "gp3"
+    delete_on_termination = true
+  }
+  ami_root_device {
+    source_device_name    = "/dev/xvda"
+    device_name           = "/dev/xvda"
+    volume_size           = 8
+    volume_type           = "gp3"
+    delete_on_termination = true
+  }
+
+  ami_name                = local.ami_name
+  ami_description         = "Berth node: a UKI with NitroTPM; PCRs in berth-image.json as ${var.image_name}"
+  ami_architecture        = "x86_64"
+  ami_virtualization_type = "hvm"
+  ena_support             = true
+  sriov_support           = true
+  boot_mode               = "uefi"
+  tpm_support             = "v2.0"
+  imds_support            = "v2.0"
+
+  # The build instance answers only IMDSv2 too.
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+  }
+
+  tags = {
+    Name          = local.ami_name
+    "berth:image" = var.image_name
+  }
+}
+
+build {
+  sources = ["source.amazon-ebssurrogate.node"]
+
+  # Nodes are replaced by new images, never upgraded in place: an upgrade of GRUB would replace the UKI on
+  # the ESP, and one of the kernel would change nothing the node boots. apt's timers are what start
+  # unattended-upgrades; masked, no package can enable them again.
+  provisioner "shell" {
+    execute_command = "sudo -n sh -eu '{{.Path}}'"
+    inline = [
+      "systemctl mask --now apt-daily.timer apt-daily-upgrade.timer",
+    ]
+  }
+
+  provisioner "berth-agent" {
+    agent_binary    = var.agent_binary
+    agent_sha256    = var.agent_sha256
+    agent_config    = "${path.root}/aws/agent.yaml"
+    execute_command = "sudo -n sh '{{.Path}}'"
+
+    dynamic "files" {
+      for_each = var.kubernetes_files
+      content {
+        source      = files.value.source
+        destination = files.value.destination
+        sha256      = files.value.sha256
+      }
+    }
+  }
+
+  # Last, so that nothing after it changes the kernel or initrd it embeds. The command line is the build
+  # instance's own without GRUB's BOOT_IMAGE=: its root= names the root file system by an id that every
+  # instance's copy of the snapshot keeps (Debian's cloud images use the partition's PARTUUID).
+  provisioner "berth-uki-install" {
+    stub            = var.stub
+    output          = var.uki
+    execute_command = "sudo -n sh '{{.Path}}'"
+  }
+
+  post-processor "berth-manifest" {
+    image_name = var.image_name
+    output     = var.manifest
+    uki        = var.uki
+    region     = var.region
+    components = var.kubernetes_version == "" ? {} : { kubernetes = var.kubernetes_version }
+  }
+}

@@ -1,0 +1,104 @@
+# The AWS image's path (aws.pkr.hcl) on this machine, with the real qemu builder instead of EC2: a Debian 12
+# machine made by scripts/debian-vm.sh boots with its kernel and initrd handed over directly, as a cloud's
+# boot loader would hand them over; berth-uki-install downloads them over SSH with the machine's own command
+# line, assembles the UKI here and installs it on the machine's EFI system partition as EFI/BOOT/BOOTX64.EFI;
+# berth-manifest predicts the PCRs from the same file. The disk Packer writes then boots the UKI under OVMF
+# with no other boot option, and its TPM holds the predicted PCR 4, 9, 11 and 12
+# (TestAccQEMUImage in packer/provisioner/ukiinstall boots it with a swtpm and compares).
+#
+# OVMF's direct kernel boot adds initrd=initrd to the command line the build machine sees; berth-uki-install
+# drops it, as it drops GRUB's BOOT_IMAGE= on EC2.
+#
+#   vm=$(scripts/debian-vm.sh); parts=$(scripts/boot-parts.sh)     # as root
+#   export PACKER_PLUGIN_PATH=$(scripts/build-packer-qemu.sh)       # plus packer-plugin-berth (make packer-plugin)
+#   packer build -var "vm=$vm" -var "stub=$parts/linuxx64.efi.stub" qemu.pkr.hcl
+
+packer {
+  required_plugins {
+    qemu = {
+      version = "= 1.0.9"
+      source  = "github.com/hashicorp/qemu"
+    }
+    berth = {
+      version = ">= 0.1.0"
+      source  = "github.com/berthlabs/berth"
+    }
+  }
+}
+
+variable "vm" {
+  type        = string
+  description = "The directory scripts/debian-vm.sh prints: disk.raw, vmlinuz, initrd.img, cmdline and key."
+}
+
+variable "stub" {
+  type        = string
+  description = "systemd-stub 252 on this machine, from Debian 12's systemd-boot-efi (scripts/boot-parts.sh)."
+}
+
+variable "output_directory" {
+  type    = string
+  default = "output-qemu"
+}
+
+variable "uki" {
+  type    = string
+  default = "output-qemu-berth.efi"
+}
+
+variable "manifest" {
+  type    = string
+  default = "berth-image.json"
+}
+
+variable "image_name" {
+  type    = string
+  default = "berth-node-qemu"
+}
+
+source "qemu" "node" {
+  disk_image       = true
+  iso_url          = "${var.vm}/disk.raw"
+  iso_checksum     = "none"
+  format           = "raw"
+  skip_resize_disk = true
+  # This machine has no KVM.
+  accelerator       = "tcg"
+  efi_boot          = true
+  efi_firmware_code = "/usr/share/OVMF/OVMF_CODE_4M.fd"
+  efi_firmware_vars = "/usr/share/OVMF/OVMF_VARS_4M.fd"
+  headless          = true
+  memory            = 1024
+  disk_interface    = "virtio"
+  net_device        = "virtio-net"
+  qemuargs = [
+    ["-kernel", "${var.vm}/vmlinuz"],
+    ["-initrd", "${var.vm}/initrd.img"],
+    ["-append", trimspace(file("${var.vm}/cmdline"))],
+  ]
+
+  communicator         = "ssh"
+  ssh_username         = "root"
+  ssh_private_key_file = "${var.vm}/key"
+  ssh_timeout          = "10m"
+  shutdown_command     = "systemctl poweroff"
+
+  output_directory = var.output_directory
+  vm_name          = "berth.raw"
+}
+
+build {
+  sources = ["source.qemu.node"]
+
+  provisioner "berth-uki-install" {
+    stub   = var.stub
+    output = var.uki
+  }
+
+  post-processor "berth-manifest" {
+    image_name  = var.image_name
+    output      = var.manifest
+    uki         = var.uki
+    artifact_id = "${var.output_directory}/berth.raw"
+  }
+}
