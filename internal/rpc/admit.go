@@ -146,6 +146,7 @@ func (l *AdmitListener) Refused() map[string]int {
 
 func (l *AdmitListener) acceptLoop() {
 	defer l.loops.Done()
+	var delay time.Duration
 	for {
 		select {
 		case l.checking <- struct{}{}:
@@ -155,15 +156,21 @@ func (l *AdmitListener) acceptLoop() {
 		c, err := l.inner.Accept()
 		if err != nil {
 			<-l.checking
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of file descriptors, say, under a flood: the listener is still good, and the service
+			// must not stop serving for good because of it. Wait a little, as net/http's server does.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			l.cfg.Logger.Error("accepting connections; trying again", "error", err, "retry_in", delay)
+			select {
+			case <-time.After(delay):
 				continue
+			case <-l.done:
+				return
 			}
-			if !errors.Is(err, net.ErrClosed) {
-				l.cfg.Logger.Error("accepting connections", "error", err)
-			}
-			return
 		}
+		delay = 0
 		go l.admit(c)
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -285,5 +287,51 @@ func TestAdmitListenerClose(t *testing.T) {
 	}
 	if _, err := net.DialTimeout("tcp", inner.Addr().String(), time.Second); err == nil {
 		t.Fatal("the listener still accepts after Close")
+	}
+}
+
+// failingListener fails its first Accepts as a process out of file descriptors does.
+type failingListener struct {
+	net.Listener
+	mu    sync.Mutex
+	fails int
+}
+
+func (l *failingListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	fail := l.fails > 0
+	l.fails--
+	l.mu.Unlock()
+	if fail {
+		return nil, &net.OpError{Op: "accept", Net: "tcp", Err: syscall.EMFILE}
+	}
+	return l.Listener.Accept()
+}
+
+// TestAdmitSurvivesAcceptErrors: a listener that fails to accept for a while (file descriptors exhausted by
+// a flood) is not given up; the connection waiting behind the failures is served.
+func TestAdmitSurvivesAcceptErrors(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis := rpc.Admit(&failingListener{Listener: inner, fails: 5}, rpc.AdmitConfig{Slots: 2})
+	defer lis.Close()
+	c, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if a, err := lis.Accept(); err == nil {
+			accepted <- a
+		}
+	}()
+	select {
+	case a := <-accepted:
+		a.Close()
+	case <-time.After(30 * time.Second):
+		t.Fatal("the listener stopped accepting after five failed accepts")
 	}
 }

@@ -530,6 +530,18 @@ func (l *Lab) nodeFailure(n *Node, step string, err error) error {
 			fmt.Fprintf(&b, "\n--- %s: last lines of %s ---\n%s", n.Name, n.path(log), tail)
 		}
 	}
+	// A node that waits for a ticket waits for the others' join services: their side says why it got none.
+	for _, o := range l.Nodes {
+		if o == n || o.Role != metadata.RoleControlPlane {
+			continue
+		}
+		state := "running"
+		if !o.agentRunning() {
+			state = "NOT running"
+		}
+		fmt.Fprintf(&b, "\n--- %s (berth-agent %s): last lines of %s ---\n%s", o.Name, state, o.path("logs/agent.log"),
+			tailFile(o.path("logs/agent.log"), 15))
+	}
 	return errors.New(b.String())
 }
 

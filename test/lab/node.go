@@ -389,6 +389,16 @@ func (n *Node) boot() error {
 	return nil
 }
 
+// agentRunning says whether the agent of the node's current boot runs, without taking its exit from
+// agentGone.
+func (n *Node) agentRunning() bool {
+	if n.agentPID == 0 {
+		return false
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", n.agentPID))
+	return err == nil && bytes.Contains(cmdline, []byte(n.path("agent.yaml")))
+}
+
 // agentGone says why the node's agent no longer runs, or nil while it runs or before it was started. In
 // a process that did not boot the node, it looks for the agent's pid with the node's own configuration.
 func (n *Node) agentGone() error {
@@ -400,14 +410,10 @@ func (n *Node) agentGone() error {
 			return nil
 		}
 	}
-	if n.agentPID == 0 {
+	if n.agentPID == 0 || n.agentRunning() {
 		return nil
 	}
-	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", n.agentPID))
-	if err != nil || !bytes.Contains(cmdline, []byte(n.path("agent.yaml"))) {
-		return fmt.Errorf("berth-agent (pid %d) is no longer running", n.agentPID)
-	}
-	return nil
+	return fmt.Errorf("berth-agent (pid %d) is no longer running", n.agentPID)
 }
 
 // writeConfigs writes the node's containerd, CNI and agent configuration.
