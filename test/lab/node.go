@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -55,12 +56,19 @@ type Node struct {
 
 	lab *Lab
 	// ec2 is what the node is to EC2, in an AWS lab.
-	ec2      *ec2Instance
-	holder   int // pid of the process that keeps the mount namespace
+	ec2    *ec2Instance
+	holder int // pid of the process that keeps the mount namespace
+	booted time.Time
+	// bootLog is where the agent's log of this boot begins, in the process that booted the node.
+	bootLog int64
+	// agentMu guards the agent's pid and the boot it belongs to, which the goroutine that restarts a failed
+	// agent reads and writes.
+	agentMu  sync.Mutex
 	agentPID int
-	booted   time.Time
-	// agentExit, in the process that booted the node, receives the agent's exit when it ends; an agent that
-	// ends while the lab waits is a failure.
+	agentGen int
+	// agentExit, in the process that booted the node, receives the agent's exit once it ends for good (it
+	// exited cleanly, or failed more often than the lab restarts it); an agent that ends while the lab waits
+	// is a failure.
 	agentExit chan error
 }
 
@@ -77,7 +85,10 @@ func (l *Lab) newNode(m Machine) *Node {
 
 // save records the node's processes in node.json.
 func (n *Node) save() error {
-	return writeJSON(n.path("node.json"), nodeState{Holder: n.holder, Agent: n.agentPID, Booted: n.booted})
+	n.agentMu.Lock()
+	pid := n.agentPID
+	n.agentMu.Unlock()
+	return writeJSON(n.path("node.json"), nodeState{Holder: n.holder, Agent: pid, Booted: n.booted})
 }
 
 // load reads node.json, and the cloud-config of a bare-metal node; a node that was never powered on has no
@@ -235,6 +246,10 @@ func (n *Node) powerOn(ctx context.Context) error {
 // PowerOff stops everything the node runs, its mount namespace included, as a power loss would; its
 // disks (directories, state image, TPM state) stay.
 func (n *Node) PowerOff() {
+	// The agent's restarts belong to the boot that ends here.
+	n.agentMu.Lock()
+	n.agentGen++
+	n.agentMu.Unlock()
 	n.stop(10 * time.Second)
 	// The pid comes from node.json when another process powered the node on: kill it only while it is
 	// still the node's.
@@ -370,32 +385,113 @@ func (n *Node) startContainerd(ctx context.Context, images []string) error {
 	return nil
 }
 
+// The image's unit restarts a failed agent (Restart=on-failure, RestartSec=5s); so does the lab, up to
+// agentRestarts times in one boot, after which it reports the agent gone where systemd would go on trying.
+const (
+	agentRestartSec = 5 * time.Second
+	agentRestarts   = 3
+)
+
 // boot starts berth-agent as the image's systemd unit would.
 func (n *Node) boot() error {
 	n.booted = time.Now()
+	n.bootLog = 0
+	if fi, err := os.Stat(n.path("logs/agent.log")); err == nil {
+		n.bootLog = fi.Size()
+	}
+	n.agentMu.Lock()
+	n.agentGen++
+	gen := n.agentGen
+	exit, err := n.startAgentLocked()
+	n.agentMu.Unlock()
+	if err != nil {
+		return err
+	}
+	// The channel is this boot's: the agent of an earlier boot, killed by Reboot, must not report into it.
+	gone := make(chan error, 1)
+	n.agentExit = gone
+	go n.superviseAgent(gen, exit, gone)
+	return nil
+}
+
+func (n *Node) startAgentLocked() (<-chan error, error) {
 	var env []string
 	if n.ec2 != nil {
 		env = n.agentEnv()
 	}
 	pid, exit, err := n.startCmdEnv("agent", env, n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	n.agentPID = pid
-	// The channel is this boot's: the agent of an earlier boot, killed by Reboot, must not report into it.
-	gone := make(chan error, 1)
-	n.agentExit = gone
-	go func() { gone <- fmt.Errorf("berth-agent exited: %v", <-exit) }()
-	return nil
+	return exit, nil
+}
+
+// superviseAgent restarts the agent of boot gen when it fails, as its unit would, and writes each restart
+// into the agent's log, so that none is silent. An agent that exits cleanly or fails once too often, or
+// whose node is off (powered off or taken down, its namespace holder gone), is reported on gone.
+func (n *Node) superviseAgent(gen int, exit <-chan error, gone chan<- error) {
+	for restarts := 0; ; restarts++ {
+		err := <-exit
+		if err == nil || restarts == agentRestarts || !n.stillOn(gen) {
+			gone <- fmt.Errorf("berth-agent exited: %v", err)
+			return
+		}
+		n.agentLogLine(fmt.Sprintf("lab: berth-agent exited (%v); starting it again in %s, as its unit's Restart=on-failure does", err, agentRestartSec))
+		time.Sleep(agentRestartSec)
+		n.agentMu.Lock()
+		if !n.stillOnLocked(gen) {
+			n.agentMu.Unlock()
+			gone <- fmt.Errorf("berth-agent exited: %v", err)
+			return
+		}
+		exit, err = n.startAgentLocked()
+		n.agentMu.Unlock()
+		if err != nil {
+			gone <- fmt.Errorf("starting berth-agent again: %w", err)
+			return
+		}
+	}
+}
+
+func (n *Node) stillOn(gen int) bool {
+	n.agentMu.Lock()
+	defer n.agentMu.Unlock()
+	return n.stillOnLocked(gen)
+}
+
+// stillOnLocked says whether boot gen goes on: no power-off since, and the namespace holder alive (Down
+// kills every process of the lab without a power-off).
+func (n *Node) stillOnLocked(gen int) bool {
+	return gen == n.agentGen && n.holder != 0 && syscall.Kill(n.holder, 0) == nil
+}
+
+// agentLogLine appends a line of the lab's own to the agent's log.
+func (n *Node) agentLogLine(line string) {
+	f, err := os.OpenFile(n.path("logs/agent.log"), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	fmt.Fprintln(f, line)
+}
+
+// servesJoins says whether the node's agent has logged, in this boot, that its join service listens.
+func (n *Node) servesJoins() bool {
+	data, err := os.ReadFile(n.path("logs/agent.log"))
+	return err == nil && bytes.Contains(data[min(n.bootLog, int64(len(data))):], []byte(`"msg":"join service listening"`))
 }
 
 // agentRunning says whether the agent of the node's current boot runs, without taking its exit from
 // agentGone.
 func (n *Node) agentRunning() bool {
-	if n.agentPID == 0 {
+	n.agentMu.Lock()
+	pid := n.agentPID
+	n.agentMu.Unlock()
+	if pid == 0 {
 		return false
 	}
-	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", n.agentPID))
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	return err == nil && bytes.Contains(cmdline, []byte(n.path("agent.yaml")))
 }
 
@@ -410,7 +506,12 @@ func (n *Node) agentGone() error {
 			return nil
 		}
 	}
-	if n.agentPID == 0 || n.agentRunning() {
+	if n.agentRunning() {
+		return nil
+	}
+	n.agentMu.Lock()
+	defer n.agentMu.Unlock()
+	if n.agentPID == 0 {
 		return nil
 	}
 	return fmt.Errorf("berth-agent (pid %d) is no longer running", n.agentPID)

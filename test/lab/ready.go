@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/berthlabs/berth/internal/metadata"
 )
 
 // Kubectl runs the built kubectl against the lab's cluster.
@@ -15,8 +17,8 @@ func (l *Lab) Kubectl(ctx context.Context, args ...string) (string, error) {
 	return run(ctx, filepath.Join(l.cfg.KubeBin, "kubectl"), append([]string{"--kubeconfig", l.Kubeconfig}, args...)...)
 }
 
-// WaitReady waits until every node in nodes is Ready, and records each node's time from boot to Ready. It
-// fails when a node's agent exits, or when ctx ends first.
+// WaitReady waits until every node in nodes is Ready, control-plane nodes also serving joins, and records
+// each node's time from boot to Ready. It fails when a node's agent exits, or when ctx ends first.
 func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
 	pending := map[string]*Node{}
 	for _, n := range nodes {
@@ -27,6 +29,13 @@ func (l *Lab) WaitReady(ctx context.Context, nodes []*Node) error {
 		if err == nil {
 			for name, since := range ready {
 				if n, ok := pending[name]; ok {
+					// A control-plane node is Ready before its kubeadm join has finished (etcd's member
+					// joins after the kubelet registers); it is up once its join service listens, and a
+					// test that powers off another control-plane node before then may take etcd's quorum
+					// from a join still in progress.
+					if n.Role == metadata.RoleControlPlane && !n.servesJoins() {
+						continue
+					}
 					// A node may have been Ready for a while when another process waits for it: the
 					// condition's transition says when it became Ready (to the second).
 					d := since.Sub(n.booted)
