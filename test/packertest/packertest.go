@@ -1,5 +1,6 @@
 // Package packertest sets up the plugin's acceptance tests: the real packer (make packer-tools, found through
-// BERTH_PACKER_BIN or PATH) with this tree's plugin installed where `packer init` finds it without network.
+// BERTH_PACKER_BIN or PATH) with this tree's plugin installed where `packer init` finds it without network;
+// and the check, shared by the components' unit tests, that their documentation lists exactly their options.
 package packertest
 
 import (
@@ -11,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/hashicorp/hcl/v2/hcldec"
 )
 
 // Setup builds and installs the plugin for t and points packer at it; it returns the plugin's version,
@@ -50,5 +52,35 @@ func ExitedZero(what string) func(*exec.Cmd, string) error {
 			return fmt.Errorf("%s failed:\n%s", what, strings.Join(lines[max(0, len(lines)-40):], "\n"))
 		}
 		return nil
+	}
+}
+
+// DocumentsEveryOption fails t unless the hand-written page (relative to the repository) documents every
+// option of spec, in lines that start with "- `option`", and nothing else; packer-sdc generates spec from
+// the component's Config, so the page cannot drift from it.
+func DocumentsEveryOption(t *testing.T, page string, spec hcldec.ObjectSpec) {
+	t.Helper()
+	doc, err := os.ReadFile(filepath.Join(repotest.Root(t), page))
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, line := range strings.Split(string(doc), "\n") {
+		if name, ok := strings.CutPrefix(line, "- `"); ok {
+			name, _, _ = strings.Cut(name, "`")
+			documented[name] = true
+		}
+	}
+	for name := range spec {
+		if strings.HasPrefix(name, "packer_") {
+			continue
+		}
+		if !documented[name] {
+			t.Errorf("option %s is not documented in %s", name, page)
+		}
+		delete(documented, name)
+	}
+	for name := range documented {
+		t.Errorf("%s documents %s, which is no option", page, name)
 	}
 }

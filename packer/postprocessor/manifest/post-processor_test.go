@@ -9,6 +9,7 @@ import (
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 
 	imagemanifest "github.com/berthlabs/berth/internal/manifest"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 func image(name, pcr11 string) imagemanifest.Image {
@@ -101,29 +102,7 @@ func TestConfigure(t *testing.T) {
 // TestDocsListEveryOption keeps the hand-written documentation in step with Config: every option of the
 // HCL2 spec that packer-sdc generates is documented, and nothing else is.
 func TestDocsListEveryOption(t *testing.T) {
-	doc, err := os.ReadFile("../../docs/post-processors/manifest.mdx")
-	if err != nil {
-		t.Fatal(err)
-	}
-	documented := map[string]bool{}
-	for _, line := range strings.Split(string(doc), "\n") {
-		if name, ok := strings.CutPrefix(line, "- `"); ok {
-			name, _, _ = strings.Cut(name, "`")
-			documented[name] = true
-		}
-	}
-	for name := range (&PostProcessor{}).ConfigSpec() {
-		if strings.HasPrefix(name, "packer_") {
-			continue
-		}
-		if !documented[name] {
-			t.Errorf("option %s is not documented in packer/docs/post-processors/manifest.mdx", name)
-		}
-		delete(documented, name)
-	}
-	for name := range documented {
-		t.Errorf("packer/docs/post-processors/manifest.mdx documents %s, which is no option", name)
-	}
+	packertest.DocumentsEveryOption(t, "packer/docs/post-processors/manifest.mdx", (&PostProcessor{}).ConfigSpec())
 }
 
 func TestArtifact(t *testing.T) {

@@ -21,6 +21,7 @@ import (
 	"github.com/berthlabs/berth/internal/measure"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/packer/postprocessor/manifest"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 func TestPrepare(t *testing.T) {
@@ -380,27 +381,5 @@ func TestNoCommunicator(t *testing.T) {
 // TestDocsListEveryOption keeps the hand-written documentation in step with Config: every option of the
 // HCL2 spec that packer-sdc generates is documented, and nothing else is.
 func TestDocsListEveryOption(t *testing.T) {
-	doc, err := os.ReadFile("../../docs/provisioners/uki-install.mdx")
-	if err != nil {
-		t.Fatal(err)
-	}
-	documented := map[string]bool{}
-	for _, line := range strings.Split(string(doc), "\n") {
-		if name, ok := strings.CutPrefix(line, "- `"); ok {
-			name, _, _ = strings.Cut(name, "`")
-			documented[name] = true
-		}
-	}
-	for name := range (&Provisioner{}).ConfigSpec() {
-		if strings.HasPrefix(name, "packer_") {
-			continue
-		}
-		if !documented[name] {
-			t.Errorf("option %s is not documented in packer/docs/provisioners/uki-install.mdx", name)
-		}
-		delete(documented, name)
-	}
-	for name := range documented {
-		t.Errorf("packer/docs/provisioners/uki-install.mdx documents %s, which is no option", name)
-	}
+	packertest.DocumentsEveryOption(t, "packer/docs/provisioners/uki-install.mdx", (&Provisioner{}).ConfigSpec())
 }
