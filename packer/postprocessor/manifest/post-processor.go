@@ -46,8 +46,9 @@ type Config struct {
 	// one artifact file whose name ends in `.efi`.
 	UKI string `mapstructure:"uki"`
 	// What the image is launched by: defaults to the builder's artifact id; an Amazon builder's
-	// (`region:ami-id`, one per region) becomes one entry per region with that region's AMI id. Set it
-	// where the builder's id says little, such as the disk image's path for qemu.
+	// (`region:ami-id`, one per region) becomes one entry per region with that region's AMI id, and
+	// googlecompute's (the image's name) the image's self-link. Set it where the builder's id says little,
+	// such as the disk image's path for qemu.
 	ArtifactID string `mapstructure:"artifact_id"`
 	// Region of the artifact. For an Amazon builder's AMIs in several regions, the region whose entry is
 	// called image_name (the others are called `<image_name>-<region>`); taken from the artifact when it
@@ -114,7 +115,13 @@ func (p *PostProcessor) PostProcess(ctx context.Context, ui packersdk.Ui, artifa
 		ui.Message(fmt.Sprintf("PCR %2d = %x", i, pcrs[i]))
 	}
 	ui.Message(fmt.Sprintf("predicted in %.2fs", time.Since(start).Seconds()))
-	images, err := p.entries(artifact.Id(), base)
+	id := artifact.Id()
+	if p.config.ArtifactID == "" && artifact.BuilderId() == googleComputeBuilderID {
+		if id, err = gceSelfLink(artifact); err != nil {
+			return nil, false, false, err
+		}
+	}
+	images, err := p.entries(id, base)
 	if err != nil {
 		return nil, false, false, err
 	}

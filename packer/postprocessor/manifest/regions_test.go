@@ -83,8 +83,9 @@ type amazonArtifact struct {
 	id string
 }
 
-func (a amazonArtifact) Id() string      { return a.id }
-func (a amazonArtifact) Files() []string { return nil }
+func (a amazonArtifact) BuilderId() string { return "mitchellh.amazonebs" }
+func (a amazonArtifact) Id() string        { return a.id }
+func (a amazonArtifact) Files() []string   { return nil }
 
 // TestPostProcessAMIs writes the entries of AMIs in two regions, predicted from the configured uki, into a
 // manifest that Parse accepts.
