@@ -18,6 +18,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -82,6 +83,10 @@ type UserData struct {
 	// instances may join to their role; the join service reads it from its own node's user-data, which no
 	// other node can write.
 	AutoscalingGroups map[string]Role `json:"autoscalingGroups,omitempty"`
+	// InstanceGroups, in the user-data of control-plane nodes on Compute Engine, maps the managed instance
+	// groups whose instances may join to their role, each as "<region or zone>/<name>" (a regional group
+	// "europe-west1/berth-workers", a zonal one "europe-west1-b/berth-workers").
+	InstanceGroups map[string]Role `json:"instanceGroups,omitempty"`
 }
 
 // Self is what a node learns about itself.
@@ -191,6 +196,26 @@ func (u UserData) Validate() error {
 		if !role.Valid() {
 			return fmt.Errorf("autoscaling group %q: role %q is not %q or %q", group, role, RoleControlPlane, RoleWorker)
 		}
+	}
+	for group, role := range u.InstanceGroups {
+		if err := ValidateInstanceGroup(group); err != nil {
+			return err
+		}
+		if !role.Valid() {
+			return fmt.Errorf("instance group %q: role %q is not %q or %q", group, role, RoleControlPlane, RoleWorker)
+		}
+	}
+	return nil
+}
+
+// instanceGroupKey is "<region or zone>/<name>": Compute Engine names regions "<area>-<place><n>", zones
+// "<region>-<letter>", and resources in RFC 1035 form of at most 63 characters.
+var instanceGroupKey = regexp.MustCompile(`^[a-z]+-[a-z]+[0-9]+(-[a-z])?/[a-z]([-a-z0-9]{0,61}[a-z0-9])?$`)
+
+// ValidateInstanceGroup checks a managed instance group's key as InstanceGroups holds it.
+func ValidateInstanceGroup(key string) error {
+	if !instanceGroupKey.MatchString(key) {
+		return fmt.Errorf("instance group %q is not \"<region or zone>/<name>\" (a regional group \"europe-west1/berth-workers\", a zonal one \"europe-west1-b/berth-workers\")", key)
 	}
 	return nil
 }

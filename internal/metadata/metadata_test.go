@@ -201,3 +201,22 @@ func checkErr(t *testing.T, err error, want string) {
 		t.Fatalf("error %q does not contain %q", err, want)
 	}
 }
+
+func TestValidateInstanceGroup(t *testing.T) {
+	for _, ok := range []string{"europe-west1/berth-workers", "us-central1-a/cp", "northamerica-northeast2/a"} {
+		if err := ValidateInstanceGroup(ok); err != nil {
+			t.Errorf("ValidateInstanceGroup(%q) = %v, want nil", ok, err)
+		}
+	}
+	for _, bad := range []string{"", "berth-workers", "europe-west1/", "europe-west1/Workers", "europe-west1/-w",
+		"projects/p/regions/europe-west1/instanceGroupManagers/w", "europe-west1/w/x", "europe-west1/" + strings.Repeat("a", 64)} {
+		if err := ValidateInstanceGroup(bad); err == nil {
+			t.Errorf("ValidateInstanceGroup(%q) = nil, want an error", bad)
+		}
+	}
+	u := validUserData()
+	u.InstanceGroups = map[string]Role{"europe-west1/w": "admin"}
+	if err := u.Validate(); err == nil || !strings.Contains(err.Error(), `instance group "europe-west1/w": role "admin"`) {
+		t.Errorf("Validate with a bad role: %v", err)
+	}
+}
