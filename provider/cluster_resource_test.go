@@ -109,10 +109,14 @@ func TestClusterResourceRefusals(t *testing.T) {
 				Config:          clusterConfig(good),
 				ConfigVariables: config.Variables{"root_key": vars["root_key"]},
 				PlanOnly:        true,
-				ExpectError:     regexp.MustCompile(`(?s)No trust for the node's TPM.*Set ek_ca_certificates.*or aws`),
+				ExpectError:     regexp.MustCompile(`(?s)No trust for the node's TPM.*Set ek_ca_certificates.*aws.*or gcp`),
 			},
 			planOnly(good+`  aws = { instance_id = "i-0123456789abcdef0", region = "eu-west-1" }`,
-				`(?s)Two trusts for the node's TPM.*Set only one of ek_ca_certificates and aws`),
+				`(?s)More than one trust for the node's TPM.*ek_ca_certificates and aws are set; set only one of`),
+			planOnly(good+`  aws = { instance_id = "i-0123456789abcdef0", region = "eu-west-1" }
+  gcp = { project = "berth-lab", zone = "europe-west1-b", instance = "cp-0" }`,
+				// Terraform validates first with the variables unknown, var.ek_ca included.
+				`(?s)More than one trust for the node's TPM.*aws and gcp are set; set only one of`),
 			// Without the secrets nothing is dialed: the error names each missing argument.
 			{
 				Config:          clusterConfig(good),

@@ -3,10 +3,14 @@ package provider
 import (
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/path"
+	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
 	"github.com/berthlabs/berth/internal/cloudinit"
@@ -36,6 +40,7 @@ type nodeConfigModel struct {
 	Hostname       types.String      `tfsdk:"hostname"`
 	Role           types.String      `tfsdk:"role"`
 	ASGroups       map[string]string `tfsdk:"autoscaling_groups"`
+	InstanceGroups map[string]string `tfsdk:"instance_groups"`
 	BareMetal      types.Bool        `tfsdk:"bare_metal"`
 	JSON           types.String      `tfsdk:"json"`
 	CloudInit      types.String      `tfsdk:"cloud_init"`
@@ -48,8 +53,11 @@ func (d *nodeConfigDataSource) Metadata(_ context.Context, req datasource.Metada
 
 func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, resp *datasource.SchemaResponse) {
 	resp.Schema = schema.Schema{
-		MarkdownDescription: "Renders the user-data a launch template or autoscaling group gives its Berth nodes: " +
-			"the cluster name, where the join service is, and the pin of the join CA. It holds nothing secret.\n\n" +
+		MarkdownDescription: "Renders the user-data a launch template, autoscaling group or instance template " +
+			"gives its Berth nodes: the cluster name, where the join service is, and the pin of the join CA. It " +
+			"holds nothing secret.\n\n" +
+			"**Google Compute Engine.** The instance template sets the metadata key `berth-node-config` to " +
+			"`json`; berth-agent reads it from the metadata server, so `cloud_init` is not used there.\n\n" +
 			"**Bare-metal nodes.** Machines without an instance-metadata service, bare-metal or PXE-booted, can " +
 			"join as workers a cluster whose control plane runs elsewhere, through a standalone Berth join " +
 			"service: set `bare_metal = true` for them. Such a node reads its user-data from the file " +
@@ -116,10 +124,12 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			"role": schema.StringAttribute{
 				Optional: true,
 				MarkdownDescription: "`control-plane` or `worker`: the role of the nodes this user-data launches, for " +
-					"clouds whose instance metadata has no Berth role (AWS EC2: one launch template per role). The " +
-					"node states it; the join service grants it only when its own record of the instance says the " +
-					"same (on AWS, the role configured for the instance's autoscaling group). Unset means worker, " +
-					"and it is left out of `json`. `control-plane` is refused when `bare_metal` is true.",
+					"clouds whose instance metadata has no Berth role (AWS EC2: one launch template per role; Google " +
+					"Compute Engine: one instance template per role). The node states it; the join service grants it " +
+					"only when its own record of the instance says the same (on AWS, the role configured for the " +
+					"instance's autoscaling group in `autoscaling_groups`; on Compute Engine, for its managed instance " +
+					"group in `instance_groups`). Unset means worker, and it is left out of `json`. `control-plane` " +
+					"is refused when `bare_metal` is true.",
 			},
 			"autoscaling_groups": schema.MapAttribute{
 				Optional:    true,
@@ -129,9 +139,20 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 					"with its group's role: the group is the instance's `aws:autoscaling:groupName` tag, which only AWS " +
 					"sets, so no node picks its own role. Leave it out of workers' user-data.",
 			},
+			"instance_groups": schema.MapAttribute{
+				Optional:    true,
+				ElementType: types.StringType,
+				MarkdownDescription: "For the control-plane nodes on Google Compute Engine: managed instance group, as " +
+					"`<region or zone>/<name>` (a regional group `europe-west1/berth-workers`, a zonal one " +
+					"`europe-west1-b/berth-workers`), to role (`control-plane` or `worker`). Their join services admit " +
+					"the instances of these groups only, each with its group's role: membership of a managed instance " +
+					"group is Compute Engine's own record, which no node can write, so no node picks its own role. " +
+					"Leave it out of workers' user-data.",
+			},
 			"json": schema.StringAttribute{
-				Computed:            true,
-				MarkdownDescription: "The user-data as JSON, the form berth-agent reads.",
+				Computed: true,
+				MarkdownDescription: "The user-data as JSON, the form berth-agent reads; on Compute Engine, the value " +
+					"of the instance template's metadata key `berth-node-config`.",
 			},
 			"cloud_init": schema.StringAttribute{
 				Computed: true,
@@ -169,16 +190,9 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 		resp.Diagnostics.AddAttributeError(path.Root("role"), "Invalid role",
 			fmt.Sprintf("role is %q, want %q or %q.", role.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
 	}
-	var groups types.Map
-	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("autoscaling_groups"), &groups)...)
-	if !groups.IsNull() && !groups.IsUnknown() {
-		for name, v := range groups.Elements() {
-			if s, ok := v.(types.String); ok && known(s) && !metadata.Role(s.ValueString()).Valid() {
-				resp.Diagnostics.AddAttributeError(path.Root("autoscaling_groups").AtMapKey(name), "Invalid role",
-					fmt.Sprintf("autoscaling group %q has role %q, want %q or %q.", name, s.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
-			}
-		}
-	}
+	// Autoscaling group names have no form to check here; instance group keys have the one the join service parses.
+	checkGroupRoles(ctx, req.Config, "autoscaling_groups", "autoscaling group", nil, &resp.Diagnostics)
+	checkGroupRoles(ctx, req.Config, "instance_groups", "instance group", metadata.ValidateInstanceGroup, &resp.Diagnostics)
 	if !bareMetal.ValueBool() {
 		return
 	}
@@ -197,6 +211,30 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 		resp.Diagnostics.AddAttributeError(path.Root("init_secret_hash"), "Init secret hash on bare-metal nodes",
 			"init_secret_hash must be unset when bare_metal is true: bare-metal nodes join as workers of a "+
 				"control plane that runs elsewhere and never initialize a cluster.")
+	}
+}
+
+// checkGroupRoles checks the known entries of the map of group to role in attr: each role, and each group
+// with checkGroup unless it is nil. Every bad entry gets its own error, on its key.
+func checkGroupRoles(ctx context.Context, config tfsdk.Config, attr, kind string, checkGroup func(string) error,
+	diags *diag.Diagnostics) {
+	var groups types.Map
+	diags.Append(config.GetAttribute(ctx, path.Root(attr), &groups)...)
+	if groups.IsNull() || groups.IsUnknown() {
+		return
+	}
+	roles := groups.Elements()
+	for _, name := range slices.Sorted(maps.Keys(roles)) {
+		at := path.Root(attr).AtMapKey(name)
+		if checkGroup != nil {
+			if err := checkGroup(name); err != nil {
+				diags.AddAttributeError(at, "Invalid "+kind, err.Error()+".")
+			}
+		}
+		if s, ok := roles[name].(types.String); ok && known(s) && !metadata.Role(s.ValueString()).Valid() {
+			diags.AddAttributeError(at, "Invalid role",
+				fmt.Sprintf("%s %q has role %q, want %q or %q.", kind, name, s.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
+		}
 	}
 }
 
@@ -229,6 +267,12 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		u.AutoscalingGroups = make(map[string]metadata.Role, len(m.ASGroups))
 		for group, role := range m.ASGroups {
 			u.AutoscalingGroups[group] = metadata.Role(role)
+		}
+	}
+	if len(m.InstanceGroups) > 0 {
+		u.InstanceGroups = make(map[string]metadata.Role, len(m.InstanceGroups))
+		for group, role := range m.InstanceGroups {
+			u.InstanceGroups[group] = metadata.Role(role)
 		}
 	}
 	doc, cloudInit, err := cloudinit.Render(u, m.Hostname.ValueString())

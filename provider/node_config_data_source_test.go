@@ -319,3 +319,63 @@ func TestNodeConfigRole(t *testing.T) {
 		},
 	})
 }
+
+// instanceGroupsConfig is a control-plane node's user-data on Compute Engine; groups is the HCL of
+// instance_groups, a literal so that Terraform can point at the key an error is about.
+func instanceGroupsConfig(groups string) string {
+	return `
+data "berth_node_config" "node" {
+  cluster_name    = "prod"
+  join_ca_pin     = "` + testPin + `"
+  role            = "control-plane"
+  instance_groups = {` + groups + `
+  }
+}
+`
+}
+
+// groupError matches Terraform's rendering of an error on one key of data.berth_node_config.node's
+// instance_groups: the summary, the key's line of the configuration, then the detail.
+func groupError(summary, key, detail string) string {
+	return regexp.QuoteMeta("Error: "+summary) + `.*in data "berth_node_config" "node":\s+\d+:\s+"` +
+		regexp.QuoteMeta(key) + `"\s+=.*` + phrase(detail).String()
+}
+
+// TestNodeConfigInstanceGroups: every bad key and role of instance_groups is refused at plan time, all in
+// one run, each error pointing at its own entry; the control-plane nodes' user-data on Compute Engine
+// carries the managed instance groups their join services admit, each with its role. The refusal comes
+// first: the last step's configuration is the one the test destroys with.
+func TestNodeConfigInstanceGroups(t *testing.T) {
+	resource.UnitTest(t, resource.TestCase{
+		ProtoV6ProviderFactories: providers,
+		Steps: []resource.TestStep{
+			{
+				Config: instanceGroupsConfig(`
+    "berth-workers"               = "worker"
+    "europe-west1/Berth-Workers"  = "workers"
+    "europe-west1-b/berth-extras" = "admin"
+    "europe-west1/berth-cp"       = "control-plane"`),
+				ExpectError: regexp.MustCompile(`(?s)` +
+					groupError("Invalid instance group", "berth-workers",
+						`instance group "berth-workers" is not "<region or zone>/<name>" (a regional group `+
+							`"europe-west1/berth-workers", a zonal one "europe-west1-b/berth-workers").`) + `.*` +
+					groupError("Invalid instance group", "europe-west1/Berth-Workers",
+						`instance group "europe-west1/Berth-Workers" is not "<region or zone>/<name>"`) + `.*` +
+					groupError("Invalid role", "europe-west1/Berth-Workers",
+						`instance group "europe-west1/Berth-Workers" has role "workers", want "control-plane" or "worker".`) + `.*` +
+					groupError("Invalid role", "europe-west1-b/berth-extras",
+						`instance group "europe-west1-b/berth-extras" has role "admin", want "control-plane" or "worker".`)),
+			},
+			{
+				Config: instanceGroupsConfig(`
+    "europe-west1/berth-cp"        = "control-plane"
+    "europe-west1-b/berth-workers" = "worker"`),
+				Check: checkCloudInit("data.berth_node_config.node", metadata.UserData{
+					ClusterName: "prod", JoinPort: 7450, JoinCAPin: testPin, Role: metadata.RoleControlPlane,
+					InstanceGroups: map[string]metadata.Role{"europe-west1/berth-cp": metadata.RoleControlPlane,
+						"europe-west1-b/berth-workers": metadata.RoleWorker},
+				}, ""),
+			},
+		},
+	})
+}

@@ -28,6 +28,24 @@ output "worker_user_data" {
   value = data.berth_node_config.workers.cloud_init
 }
 
+# Google Compute Engine: the user-data of the control-plane managed instance group's instance template: the
+# init secret's hash (only they may initialize), their role, and the groups whose instances their join
+# services admit, each with its group's role. The template sets it as the metadata key berth-node-config.
+data "berth_node_config" "gce_control_plane" {
+  cluster_name     = "prod"
+  join_ca_pin      = berth_secrets.cluster.join_ca_pin
+  init_secret_hash = berth_secrets.cluster.init_secret_hash
+  role             = "control-plane"
+  instance_groups = {
+    "europe-west1/prod-control-plane" = "control-plane"
+    "europe-west1/prod-workers"       = "worker"
+  }
+}
+
+output "gce_control_plane_metadata" {
+  value = { "berth-node-config" = data.berth_node_config.gce_control_plane.json }
+}
+
 # Bare-metal workers, PXE-booted, of a cluster whose control plane runs elsewhere. They have no metadata
 # service: their image sets `userDataFile: /etc/berth/user-data.json` in agent.yaml, they reach the standalone
 # join service only through join_endpoints, and each gets the name of its record in the join service's

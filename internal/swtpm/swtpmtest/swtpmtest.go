@@ -4,12 +4,17 @@
 package swtpmtest
 
 import (
+	"crypto/rsa"
 	"crypto/x509"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-tpm/tpm2"
+	"github.com/google/go-tpm/tpm2/transport"
 
 	"github.com/berthlabs/berth/internal/swtpm"
 )
@@ -100,3 +105,108 @@ func startTPM(t testing.TB, manufacture func(state string) error) *TPM {
 
 // Device is the TPM's address in the form berth-agent's tpm setting takes.
 func (tpm *TPM) Device() string { return "unix:" + tpm.Socket }
+
+// ekCertIndex is the NV index of the RSA EK certificate (TCG EK Credential Profile), where TPM vendors and
+// Compute Engine's vTPMs keep it and where go-attestation, and so berth-agent, reads it.
+const ekCertIndex = tpm2.TPMHandle(0x01c00002)
+
+// EKPublic is the TPM's RSA endorsement key: the key of the TCG's default EK template, the one
+// go-attestation presents and activates credentials with. Call it while nothing else is connected: swtpm
+// serves one connection at a time.
+func (tpm *TPM) EKPublic(t testing.TB) *rsa.PublicKey {
+	t.Helper()
+	conn := tpm.connect(t)
+	defer conn.Close()
+	tr := transport.FromReadWriter(conn)
+	rsp, err := tpm2.CreatePrimary{PrimaryHandle: tpm2.TPMRHEndorsement, InPublic: tpm2.New2B(tpm2.RSAEKTemplate)}.Execute(tr)
+	if err != nil {
+		t.Fatalf("creating the EK: %v", err)
+	}
+	defer tpm2.FlushContext{FlushHandle: rsp.ObjectHandle}.Execute(tr)
+	pub, err := rsp.OutPublic.Contents()
+	if err != nil {
+		t.Fatalf("the EK's public area: %v", err)
+	}
+	params, err := pub.Parameters.RSADetail()
+	if err != nil {
+		t.Fatalf("the EK's parameters: %v", err)
+	}
+	modulus, err := pub.Unique.RSA()
+	if err != nil {
+		t.Fatalf("the EK's modulus: %v", err)
+	}
+	key, err := tpm2.RSAPub(params, modulus)
+	if err != nil {
+		t.Fatalf("the EK's public key: %v", err)
+	}
+	return key
+}
+
+// WriteEKCertificate stores der as the TPM's RSA EK certificate, as a TPM vendor or a cloud does at
+// manufacture, so that a TPM made by NewTPMWithoutEKCertificate can carry a certificate of any CA's shape
+// (a Compute Engine vTPM's, say: see shieldedvmtest). The index is defined with platform authorization and
+// readable with its own, as swtpm_setup defines its certificate indexes. Call it while nothing else is
+// connected: swtpm serves one connection at a time.
+func (tpm *TPM) WriteEKCertificate(t testing.TB, der []byte) {
+	t.Helper()
+	conn := tpm.connect(t)
+	defer conn.Close()
+	tr := transport.FromReadWriter(conn)
+	// swtpm runs with an empty platform authorization: no firmware took the platform hierarchy.
+	platform := tpm2.AuthHandle{Handle: tpm2.TPMRHPlatform, Auth: tpm2.PasswordAuth(nil)}
+	def := tpm2.NVDefineSpace{
+		AuthHandle: platform,
+		PublicInfo: tpm2.New2B(tpm2.TPMSNVPublic{
+			NVIndex: ekCertIndex,
+			NameAlg: tpm2.TPMAlgSHA256,
+			Attributes: tpm2.TPMANV{PPWrite: true, PPRead: true, OwnerRead: true, AuthRead: true, NoDA: true,
+				PlatformCreate: true, NT: tpm2.TPMNTOrdinary},
+			DataSize: uint16(len(der)),
+		}),
+	}
+	if _, err := def.Execute(tr); err != nil {
+		t.Fatalf("defining the EK certificate index: %v", err)
+	}
+	public, err := def.PublicInfo.Contents()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name, err := tpm2.NVName(public)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A certificate is larger than one NV_Write takes on most TPMs.
+	chunk := nvBufferMax(t, tr)
+	for off := 0; off < len(der); off += chunk {
+		end := min(off+chunk, len(der))
+		write := tpm2.NVWrite{AuthHandle: platform, NVIndex: tpm2.NamedHandle{Handle: ekCertIndex, Name: *name},
+			Data: tpm2.TPM2BMaxNVBuffer{Buffer: der[off:end]}, Offset: uint16(off)}
+		if _, err := write.Execute(tr); err != nil {
+			t.Fatalf("writing the EK certificate at offset %d: %v", off, err)
+		}
+	}
+}
+
+// nvBufferMax is the most bytes one NV_Write takes.
+func nvBufferMax(t testing.TB, tr transport.TPM) int {
+	t.Helper()
+	rsp, err := tpm2.GetCapability{Capability: tpm2.TPMCapTPMProperties, Property: uint32(tpm2.TPMPTNVBufferMax),
+		PropertyCount: 1}.Execute(tr)
+	if err != nil {
+		t.Fatalf("reading TPM_PT_NV_BUFFER_MAX: %v", err)
+	}
+	props, err := rsp.CapabilityData.Data.TPMProperties()
+	if err != nil || len(props.TPMProperty) == 0 || props.TPMProperty[0].Property != tpm2.TPMPTNVBufferMax {
+		t.Fatalf("the TPM did not report TPM_PT_NV_BUFFER_MAX (%v)", err)
+	}
+	return int(props.TPMProperty[0].Value)
+}
+
+func (tpm *TPM) connect(t testing.TB) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("unix", tpm.Socket)
+	if err != nil {
+		t.Fatalf("connecting to swtpm: %v", err)
+	}
+	return conn
+}

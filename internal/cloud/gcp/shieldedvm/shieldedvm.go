@@ -91,6 +91,11 @@ func ParseInstance(s string) (Instance, error) {
 	if m == nil {
 		return Instance{}, fmt.Errorf("%q is not projects/<project id>/zones/<zone>/instances/<id or name>", s)
 	}
+	if m[3][0] >= '0' && m[3][0] <= '9' {
+		if _, err := strconv.ParseUint(m[3], 10, 64); err != nil {
+			return Instance{}, fmt.Errorf("%q: instance id %s is not an unsigned 64-bit number", s, m[3])
+		}
+	}
 	return Instance{Project: m[1], Zone: m[2], Instance: m[3]}, nil
 }
 

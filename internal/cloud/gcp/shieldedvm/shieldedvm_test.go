@@ -255,7 +255,8 @@ func TestParseInstance(t *testing.T) {
 	}
 	for _, bad := range []string{"", "projects/p/zones/z/instances/i", "projects/berth-lab/zones/europe-west1/instances/w",
 		"projects/berth-lab/zones/europe-west1-b/instances/Worker", "projects/berth-lab/zones/europe-west1-b/instances/w/x",
-		"projects/berth-lab/zones/europe-west1-b/instances/123456789012345678901"} {
+		"projects/berth-lab/zones/europe-west1-b/instances/123456789012345678901",
+		"projects/berth-lab/zones/europe-west1-b/instances/18446744073709551616"} {
 		if _, err := shieldedvm.ParseInstance(bad); err == nil {
 			t.Errorf("ParseInstance(%q) = nil error", bad)
 		}
