@@ -1,0 +1,38 @@
+# The cluster's own VPC network: one subnetwork for every node and the internal load balancer's address. The
+# join services look nodes up on this network only: an instance with no interface on it is never found.
+
+resource "google_compute_network" "cluster" {
+  name                    = "${local.cluster_name}-cluster"
+  auto_create_subnetworks = false
+}
+
+# Private Google Access: nodes without external addresses reach Google's APIs (the control-plane nodes' join
+# services call compute.googleapis.com) from their internal addresses.
+resource "google_compute_subnetwork" "nodes" {
+  name                     = "${local.cluster_name}-nodes"
+  region                   = var.region
+  network                  = google_compute_network.cluster.id
+  ip_cidr_range            = var.subnet_cidr
+  private_ip_google_access = true
+}
+
+# Outbound connections to the internet (container images the node image does not carry, packages) leave
+# through Cloud NAT; nothing comes in that way. Leave it out if the nodes need nothing outside Google's APIs.
+resource "google_compute_router" "nodes" {
+  name    = "${local.cluster_name}-nodes"
+  region  = var.region
+  network = google_compute_network.cluster.id
+}
+
+resource "google_compute_router_nat" "nodes" {
+  name                               = "${local.cluster_name}-nodes"
+  router                             = google_compute_router.nodes.name
+  region                             = var.region
+  nat_ip_allocate_option             = "AUTO_ONLY"
+  source_subnetwork_ip_ranges_to_nat = "LIST_OF_SUBNETWORKS"
+
+  subnetwork {
+    name                    = google_compute_subnetwork.nodes.id
+    source_ip_ranges_to_nat = ["ALL_IP_RANGES"]
+  }
+}
