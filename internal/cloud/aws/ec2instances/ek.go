@@ -75,6 +75,11 @@ func (l *EKs) EKPublic(ctx context.Context, instanceID string) (*rsa.PublicKey, 
 	}
 	// The call runs apart from this caller's context: one caller giving up must not fail the others.
 	ch := l.flight.DoChan(instanceID, func() (any, error) {
+		// A call for this instance may have ended, storing its key, between the look into the cache above
+		// and this flight's start: that key serves without a second call.
+		if k := l.cachedEK(instanceID); k != nil {
+			return k, nil
+		}
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.callTimeout)
 		defer cancel()
 		k, err := l.fetchEK(cctx, instanceID)
