@@ -128,10 +128,14 @@ func (l *Lab) startEC2() error {
 	return os.WriteFile(l.path(ec2CAFile), srv.CACertPEM, 0o644)
 }
 
-// Close stops what the lab runs inside this process: an AWS lab's EC2 endpoint. Down stops everything else.
+// Close stops what the lab runs inside this process: an AWS lab's EC2 endpoint, a GCP lab's Compute
+// endpoint. Down stops everything else.
 func (l *Lab) Close() {
 	if l.EC2 != nil {
 		l.EC2.Close()
+	}
+	if l.Compute != nil {
+		l.Compute.Close()
 	}
 }
 

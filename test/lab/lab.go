@@ -38,6 +38,8 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
+	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances/computetest"
+	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm/shieldedvmtest"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/initsecret"
@@ -85,8 +87,10 @@ type HostConfig struct {
 	KubeBin     string // directory with kubeadm, kubelet, kubectl, kube-apiserver, … and etcd
 	AgentBinary string // berth-agent
 	LabBinary   string // this lab's own command, which serves the metadata
-	// AWS, if set, makes every node an EC2 instance (see AWSConfig); nil for the lab's own metadata service.
+	// AWS, if set, makes every node an EC2 instance (see AWSConfig), GCP a Compute Engine instance (see
+	// GCPConfig); with neither, nodes read the lab's own metadata service.
 	AWS      *AWSConfig
+	GCP      *GCPConfig
 	Progress io.Writer
 }
 
@@ -98,6 +102,7 @@ type Config struct {
 	LabBinary   string
 	Nodes       []NodeSpec
 	AWS         *AWSConfig
+	GCP         *GCPConfig
 	Progress    io.Writer
 }
 
@@ -128,8 +133,12 @@ type Lab struct {
 	JoinCA  *pki.CA
 	Timings map[string]time.Duration
 	// EC2 is an AWS lab's EC2 endpoint, in the process that started the host; Close stops it.
-	EC2   *ec2test.Server
-	start time.Time
+	EC2 *ec2test.Server
+	// Compute is a GCP lab's Compute endpoint, and vtpmCA the CA of its nodes' vTPMs, in the process that
+	// started the host; Close stops the endpoint.
+	Compute *computetest.Server
+	vtpmCA  *shieldedvmtest.CA
+	start   time.Time
 	// secrets and userData are the cluster's, in the process that ran Up.
 	secrets  *labSecrets
 	userData metadata.UserData
@@ -142,6 +151,7 @@ type hostState struct {
 	LabBinary   string     `json:"labBinary"`
 	Images      imageSet   `json:"images"`
 	AWS         *AWSConfig `json:"aws,omitempty"`
+	GCP         *GCPConfig `json:"gcp,omitempty"`
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
@@ -220,6 +230,9 @@ func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 		}
 		cfg.AWS = &aws
 	}
+	if cfg.AWS != nil && cfg.GCP != nil {
+		return nil, errors.New("a lab is on AWS or on GCP, not both")
+	}
 	if _, err := os.Stat(cfg.Dir); err == nil {
 		return nil, fmt.Errorf("%s exists: a lab is up already, or was not taken down (make lab-down)", cfg.Dir)
 	}
@@ -240,6 +253,11 @@ func (l *Lab) startHost(ctx context.Context) error {
 	}
 	if l.cfg.AWS != nil {
 		if err := l.startEC2(); err != nil {
+			return err
+		}
+	}
+	if l.cfg.GCP != nil {
+		if err := l.startCompute(); err != nil {
 			return err
 		}
 	}
@@ -279,7 +297,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 		return err
 	}
 	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
-		LabBinary: l.cfg.LabBinary, Images: l.images, AWS: l.cfg.AWS})
+		LabBinary: l.cfg.LabBinary, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
 }
 
 // Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
@@ -303,7 +321,7 @@ func Open(dir string) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, AWS: st.AWS},
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, AWS: st.AWS, GCP: st.GCP},
 		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
 	doc, err := readDocument(l.path(documentFile))
 	if err != nil {
@@ -326,7 +344,7 @@ func Up(ctx context.Context, cfg Config) (*Lab, error) {
 		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
 	}
 	l, err := StartHost(ctx, HostConfig{Dir: cfg.Dir, KubeBin: cfg.KubeBin, AgentBinary: cfg.AgentBinary,
-		LabBinary: cfg.LabBinary, AWS: cfg.AWS, Progress: cfg.Progress})
+		LabBinary: cfg.LabBinary, AWS: cfg.AWS, GCP: cfg.GCP, Progress: cfg.Progress})
 	if err != nil {
 		return l, err
 	}
@@ -342,7 +360,7 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	l.KubeCA, l.JoinCA, l.secrets = secrets.kubeCA, secrets.joinCA, secrets
 	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
 		InitSecretHash: secrets.initHash}
-	if l.cfg.AWS != nil {
+	if l.cfg.AWS != nil || l.cfg.GCP != nil {
 		// An instance cannot list the others: its user-data names the join service, on the first node.
 		userData.JoinEndpoints = []string{net.JoinHostPort(nodeAddr(0).String(), strconv.Itoa(joinPort))}
 	}
@@ -480,6 +498,13 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			return nil, err
 		}
 		trust, instanceID = cloud, cp.ec2.ID
+	} else if cp.gce != nil {
+		// As berth_cluster's gcp block: the TPM is trusted by its EK certificate naming the node's instance.
+		vtpm, err := l.vtpmTrust()
+		if err != nil {
+			return nil, err
+		}
+		trust, instanceID = vtpm, cp.gce.path()
 	} else {
 		roots, inters, err := l.ekCA.Pools()
 		if err != nil {

@@ -40,7 +40,9 @@ type Machine struct {
 	CloudInit string
 	// In an AWS lab (Config.AWS): Group is the autoscaling group of the machine's instance, its role's
 	// (ControlPlaneGroup, WorkerGroup) when empty; ReportedEK, if set, is the EK that EC2 reports for the
-	// instance instead of its TPM's, as for a node whose TPM is not the instance's.
+	// instance instead of its TPM's, as for a node whose TPM is not the instance's. In a GCP lab
+	// (Config.GCP) the same, with the managed instance group (ControlPlaneInstanceGroup,
+	// WorkerInstanceGroup) and the EK of the instance's Shielded identity.
 	Group      string
 	ReportedEK *rsa.PublicKey
 }
@@ -65,8 +67,18 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 	}
 	n := l.newNode(m)
 	switch {
-	case l.cfg.AWS == nil && (m.Group != "" || m.ReportedEK != nil):
-		return nil, fmt.Errorf("node %s: an autoscaling group and an EK reported by EC2 are for AWS labs only", m.Name)
+	case l.cfg.AWS == nil && l.cfg.GCP == nil && (m.Group != "" || m.ReportedEK != nil):
+		return nil, fmt.Errorf("node %s: an instance group and an EK reported by the cloud are for AWS and GCP labs only", m.Name)
+	case l.cfg.GCP != nil && l.Compute == nil:
+		return nil, fmt.Errorf("node %s: the lab's Compute endpoint runs in the process that started its host: only that process adds nodes to a GCP lab", m.Name)
+	case l.cfg.GCP != nil && m.CloudInit != "":
+		return nil, fmt.Errorf("node %s: a Compute Engine instance is not bare metal", m.Name)
+	case l.cfg.GCP != nil:
+		inst, err := newGCEInstance(m)
+		if err != nil {
+			return nil, fmt.Errorf("node %s: %w", m.Name, err)
+		}
+		n.gce, n.InstanceID = inst, inst.path()
 	case l.cfg.AWS != nil && l.EC2 == nil:
 		return nil, fmt.Errorf("node %s: the lab's EC2 endpoint runs in the process that started its host: only that process adds nodes to an AWS lab", m.Name)
 	case l.cfg.AWS != nil && m.CloudInit != "":
@@ -136,6 +148,9 @@ func (l *Lab) RemoveNode(ctx context.Context, name string) error {
 	n.PowerOff()
 	if n.ec2 != nil && l.EC2 != nil {
 		l.EC2.Remove(n.ec2.ID)
+	}
+	if n.gce != nil && l.Compute != nil {
+		l.Compute.Remove(GCPZone, n.Name)
 	}
 	var errs []error
 	if left := killProcesses(name, 10*time.Second); len(left) > 0 {

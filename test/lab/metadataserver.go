@@ -2,7 +2,9 @@ package lab
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -11,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata/gcemetadatatest"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -95,4 +98,28 @@ func stampOf(fi os.FileInfo) fileStamp {
 		st.ino = sys.Ino
 	}
 	return st
+}
+
+// ServeGCEMetadata serves, on lis until ctx ends, one Compute Engine instance's metadata server as the
+// instance in the JSON file config describes it (gcemetadatatest.Instance): a GCP lab node's, on
+// 169.254.169.254:80 inside its network namespace.
+func ServeGCEMetadata(ctx context.Context, lis net.Listener, config string) error {
+	data, err := os.ReadFile(config)
+	if err != nil {
+		return err
+	}
+	var inst gcemetadatatest.Instance
+	if err := json.Unmarshal(data, &inst); err != nil {
+		return fmt.Errorf("reading %s: %w", config, err)
+	}
+	srv := &http.Server{Handler: gcemetadatatest.NewHandler(inst), ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout: 10 * time.Second, WriteTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	if err := srv.Serve(lis); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
 }

@@ -51,12 +51,15 @@ type Node struct {
 	// CloudInit is the #cloud-config of a bare-metal node (Machine.CloudInit), "" for nodes that read the
 	// metadata service.
 	CloudInit string
-	// InstanceID is the node's EC2 instance id in an AWS lab (Config.AWS), empty elsewhere.
+	// InstanceID is the node's EC2 instance id in an AWS lab (Config.AWS), its instance's
+	// projects/<project>/zones/<zone>/instances/<id> in a GCP lab (Config.GCP), empty elsewhere.
 	InstanceID string
 
 	lab *Lab
 	// ec2 is what the node is to EC2, in an AWS lab.
-	ec2    *ec2Instance
+	ec2 *ec2Instance
+	// gce is what the node is to Compute Engine, in a GCP lab.
+	gce    *gceInstance
 	holder int // pid of the process that keeps the mount namespace
 	booted time.Time
 	// bootLog is where the agent's log of this boot begins, in the process that booted the node.
@@ -95,6 +98,9 @@ func (n *Node) save() error {
 // node.json.
 func (n *Node) load() error {
 	if err := n.loadAWS(); err != nil {
+		return err
+	}
+	if err := n.loadGCP(); err != nil {
 		return err
 	}
 	if ci, err := os.ReadFile(n.path(cloudInitFile)); err == nil {
@@ -153,6 +159,14 @@ func (n *Node) create(ctx context.Context, userData metadata.UserData) error {
 			return err
 		}
 		if err := n.createAWS(ctx, userData); err != nil {
+			return err
+		}
+	} else if n.gce != nil {
+		// A vTPM: its EK certificate is written at the first power-on, once the EK is known.
+		if err := swtpm.ManufactureWithoutCertificates(n.path("tpm/state")); err != nil {
+			return err
+		}
+		if err := n.createGCP(ctx, userData); err != nil {
 			return err
 		}
 	} else if err := n.lab.ekCA.Manufacture(n.path("tpm/state")); err != nil {
@@ -228,6 +242,12 @@ func (n *Node) powerOn(ctx context.Context) error {
 			return err
 		}
 		n.lab.progress("%s: instance %s (group %s) known to EC2, its IMDS on %s", n.Name, n.ec2.ID, n.ec2.Group, imdsAddr)
+	}
+	if n.gce != nil {
+		if err := n.powerOnGCP(ctx); err != nil {
+			return err
+		}
+		n.lab.progress("%s: instance %d (group %s) known to Compute Engine, its metadata server on %s", n.Name, n.gce.ID, n.gce.Group, gceMetadataAddr)
 	}
 	images := []string{n.lab.images.PauseTar, n.lab.images.WorkloadTar}
 	if n.Role == metadata.RoleControlPlane {
@@ -416,8 +436,11 @@ func (n *Node) boot() error {
 
 func (n *Node) startAgentLocked() (<-chan error, error) {
 	var env []string
-	if n.ec2 != nil {
+	switch {
+	case n.ec2 != nil:
 		env = n.agentEnv()
+	case n.gce != nil:
+		env = n.gcpAgentEnv()
 	}
 	pid, exit, err := n.startCmdEnv("agent", env, n.lab.cfg.AgentBinary, "boot", "--config", n.path("agent.yaml"))
 	if err != nil {
@@ -584,6 +607,8 @@ state = "/run/containerd"
 	switch {
 	case n.ec2 != nil:
 		cfg["aws"] = awsAgentConfig()
+	case n.gce != nil:
+		cfg["gcp"] = n.gcpAgentConfig()
 	case n.CloudInit != "":
 		cfg["userDataFile"] = cloudinit.UserDataPath
 	default:

@@ -6,6 +6,8 @@ package swtpmtest
 import (
 	"crypto/rsa"
 	"crypto/x509"
+	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -144,14 +146,23 @@ func (tpm *TPM) EKPublic(t testing.TB) *rsa.PublicKey {
 
 // WriteEKCertificate stores der as the TPM's RSA EK certificate, as a TPM vendor or a cloud does at
 // manufacture, so that a TPM made by NewTPMWithoutEKCertificate can carry a certificate of any CA's shape
-// (a Compute Engine vTPM's, say: see shieldedvmtest). The index is defined with platform authorization and
-// readable with its own, as swtpm_setup defines its certificate indexes. Call it while nothing else is
-// connected: swtpm serves one connection at a time.
+// (a Compute Engine vTPM's, say: see shieldedvmtest). Call it while nothing else is connected: swtpm
+// serves one connection at a time.
 func (tpm *TPM) WriteEKCertificate(t testing.TB, der []byte) {
 	t.Helper()
 	conn := tpm.connect(t)
 	defer conn.Close()
-	tr := transport.FromReadWriter(conn)
+	if err := WriteEKCertificate(conn, der); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// WriteEKCertificate stores der as the RSA EK certificate of the TPM at the other end of rw (a swtpm
+// that has none, such as one manufactured by swtpm.ManufactureWithoutCertificates), for harnesses that
+// run their own swtpm (the lab). The index is defined with platform authorization and readable with its
+// own, as swtpm_setup defines its certificate indexes.
+func WriteEKCertificate(rw io.ReadWriter, der []byte) error {
+	tr := transport.FromReadWriter(rw)
 	// swtpm runs with an empty platform authorization: no firmware took the platform hierarchy.
 	platform := tpm2.AuthHandle{Handle: tpm2.TPMRHPlatform, Auth: tpm2.PasswordAuth(nil)}
 	def := tpm2.NVDefineSpace{
@@ -165,41 +176,44 @@ func (tpm *TPM) WriteEKCertificate(t testing.TB, der []byte) {
 		}),
 	}
 	if _, err := def.Execute(tr); err != nil {
-		t.Fatalf("defining the EK certificate index: %v", err)
+		return fmt.Errorf("defining the EK certificate index: %w", err)
 	}
 	public, err := def.PublicInfo.Contents()
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	name, err := tpm2.NVName(public)
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	// A certificate is larger than one NV_Write takes on most TPMs.
-	chunk := nvBufferMax(t, tr)
+	chunk, err := nvBufferMax(tr)
+	if err != nil {
+		return err
+	}
 	for off := 0; off < len(der); off += chunk {
 		end := min(off+chunk, len(der))
 		write := tpm2.NVWrite{AuthHandle: platform, NVIndex: tpm2.NamedHandle{Handle: ekCertIndex, Name: *name},
 			Data: tpm2.TPM2BMaxNVBuffer{Buffer: der[off:end]}, Offset: uint16(off)}
 		if _, err := write.Execute(tr); err != nil {
-			t.Fatalf("writing the EK certificate at offset %d: %v", off, err)
+			return fmt.Errorf("writing the EK certificate at offset %d: %w", off, err)
 		}
 	}
+	return nil
 }
 
 // nvBufferMax is the most bytes one NV_Write takes.
-func nvBufferMax(t testing.TB, tr transport.TPM) int {
-	t.Helper()
+func nvBufferMax(tr transport.TPM) (int, error) {
 	rsp, err := tpm2.GetCapability{Capability: tpm2.TPMCapTPMProperties, Property: uint32(tpm2.TPMPTNVBufferMax),
 		PropertyCount: 1}.Execute(tr)
 	if err != nil {
-		t.Fatalf("reading TPM_PT_NV_BUFFER_MAX: %v", err)
+		return 0, fmt.Errorf("reading TPM_PT_NV_BUFFER_MAX: %w", err)
 	}
 	props, err := rsp.CapabilityData.Data.TPMProperties()
 	if err != nil || len(props.TPMProperty) == 0 || props.TPMProperty[0].Property != tpm2.TPMPTNVBufferMax {
-		t.Fatalf("the TPM did not report TPM_PT_NV_BUFFER_MAX (%v)", err)
+		return 0, fmt.Errorf("the TPM did not report TPM_PT_NV_BUFFER_MAX (%v)", err)
 	}
-	return int(props.TPMProperty[0].Value)
+	return int(props.TPMProperty[0].Value), nil
 }
 
 func (tpm *TPM) connect(t testing.TB) net.Conn {

@@ -19,6 +19,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/imds"
+	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
@@ -150,6 +151,8 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 		a.meta = &metadata.Local{UserDataFile: cfg.UserDataFile, Address: src}
 	case cfg.AWS != nil:
 		a.meta = &imds.Client{Endpoint: cfg.AWS.IMDSEndpoint}
+	case cfg.GCP != nil:
+		a.meta = &gcemetadata.Client{Endpoint: cfg.GCP.MetadataEndpoint}
 	default:
 		a.records = &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src}
 		a.meta = a.records

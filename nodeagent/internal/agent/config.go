@@ -6,8 +6,10 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/url"
 	"os"
+	"slices"
 	"time"
 
 	"sigs.k8s.io/yaml"
@@ -37,6 +39,12 @@ type Config struct {
 	// their TPMs by the EK that EC2 reports for each instance. Exactly one of MetadataURL, UserDataFile and
 	// AWS is set.
 	AWS *AWSConfig `json:"aws,omitempty"`
+	// GCP makes the node a Compute Engine instance: it reads itself from the GCE metadata server (its
+	// berth-node-config attribute is berth_node_config's json), and the join service of a control-plane node
+	// looks nodes up through the Compute API, takes their role from their managed instance group, and trusts
+	// their vTPMs by Google's EK certificate and the EK the Compute API reports for each instance. Exactly
+	// one of MetadataURL, UserDataFile, AWS and GCP is set.
+	GCP *GCPConfig `json:"gcp,omitempty"`
 	// TPM is the TPM device (/dev/tpmrm0) or a swtpm socket ("unix:/path", "tcp:host:port").
 	TPM string `json:"tpm,omitempty"`
 	// StateDisk is the block device (or, in labs, the image file) of the encrypted state disk.
@@ -134,12 +142,52 @@ func (c *AWSConfig) validate() []error {
 			errs = append(errs, fmt.Errorf("aws.autoscalingGroups: %q: %q is not %q or %q", group, role, metadata.RoleControlPlane, metadata.RoleWorker))
 		}
 	}
-	for name, ep := range map[string]string{"imdsEndpoint": c.IMDSEndpoint, "ec2Endpoint": c.EC2Endpoint} {
+	return append(errs, checkEndpoints("aws", map[string]string{"imdsEndpoint": c.IMDSEndpoint, "ec2Endpoint": c.EC2Endpoint})...)
+}
+
+// GCPConfig is the Compute Engine side of a node and of its join service.
+type GCPConfig struct {
+	// InstanceGroups maps the managed instance groups whose instances may join, as "<region or
+	// zone>/<name>", to their role. Membership of a group is Compute Engine's own record, so no node can pick
+	// its own role; instances of other groups, or of none, are refused. Control-plane nodes take them from
+	// their user-data (berth_node_config instance_groups) unless set here.
+	InstanceGroups map[string]metadata.Role `json:"instanceGroups,omitempty"`
+	// Project and Network are where the join service looks nodes up; the control-plane node's own by
+	// default (from the metadata server). Instances of other networks are never found.
+	Project string `json:"project,omitempty"`
+	Network string `json:"network,omitempty"`
+	// MetadataEndpoint and ComputeEndpoint replace Google's own endpoints, for emulators (tests, labs).
+	MetadataEndpoint string `json:"metadataEndpoint,omitempty"`
+	ComputeEndpoint  string `json:"computeEndpoint,omitempty"`
+	// EKCABundle replaces Google's vTPM EK CAs with the ones in this PEM file, for labs whose TPMs Google
+	// did not make.
+	EKCABundle string `json:"ekCABundle,omitempty"`
+}
+
+func (c *GCPConfig) validate() []error {
+	var errs []error
+	for group, role := range c.InstanceGroups {
+		if err := metadata.ValidateInstanceGroup(group); err != nil {
+			errs = append(errs, fmt.Errorf("gcp.instanceGroups: %w", err))
+		}
+		if !role.Valid() {
+			errs = append(errs, fmt.Errorf("gcp.instanceGroups: %q: %q is not %q or %q", group, role, metadata.RoleControlPlane, metadata.RoleWorker))
+		}
+	}
+	errs = append(errs, checkEndpoints("gcp", map[string]string{"metadataEndpoint": c.MetadataEndpoint, "computeEndpoint": c.ComputeEndpoint})...)
+	return errs
+}
+
+// checkEndpoints says which of the endpoints, set in the block named section, are not http(s) URLs.
+func checkEndpoints(section string, endpoints map[string]string) []error {
+	var errs []error
+	for _, name := range slices.Sorted(maps.Keys(endpoints)) {
+		ep := endpoints[name]
 		if ep == "" {
 			continue
 		}
 		if u, err := url.Parse(ep); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			errs = append(errs, fmt.Errorf("aws.%s %q is not an http(s) URL", name, ep))
+			errs = append(errs, fmt.Errorf("%s.%s %q is not an http(s) URL", section, name, ep))
 		}
 	}
 	return errs
@@ -227,16 +275,19 @@ func (c *Config) Defaults() {
 func (c *Config) Validate() error {
 	var errs []error
 	sources := 0
-	for _, set := range []bool{c.MetadataURL != "", c.UserDataFile != "", c.AWS != nil} {
+	for _, set := range []bool{c.MetadataURL != "", c.UserDataFile != "", c.AWS != nil, c.GCP != nil} {
 		if set {
 			sources++
 		}
 	}
 	if sources != 1 {
-		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service), userDataFile (bare metal) and aws (EC2)"))
+		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service), userDataFile (bare metal), aws (EC2) and gcp (Compute Engine)"))
 	}
 	if c.AWS != nil {
 		errs = append(errs, c.AWS.validate()...)
+	}
+	if c.GCP != nil {
+		errs = append(errs, c.GCP.validate()...)
 	}
 	if c.StateDisk == "" {
 		errs = append(errs, errors.New("stateDisk is required"))

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -31,6 +32,9 @@ import (
 	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/imds"
+	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances"
+	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata"
+	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
@@ -218,6 +222,9 @@ func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
 // TPM is genuine: on EC2, the EC2 API (instance by address, role by autoscaling group, the EK EC2 reports
 // for the instance); elsewhere the metadata service and the EK CA bundle.
 func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+	if a.cfg.GCP != nil {
+		return a.computeRecords(ctx, self, log)
+	}
 	if a.cfg.AWS == nil {
 		verifier, err := ekVerifier(a.cfg.EKCABundle)
 		return a.records, verifier, err
@@ -256,17 +263,73 @@ func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.
 	return lookup, attest.NewVerifier(attest.CloudEK{Cloud: "EC2", Source: lookup}), nil
 }
 
+// computeRecords is nodeRecords on Compute Engine: instances by address and roles by managed instance group
+// from the Compute API, called as this node's service account; vTPMs trusted by Google's EK certificate and
+// the Shielded identity the API reports for the instance.
+func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+	gcp := a.cfg.GCP
+	// As on EC2: the image's agent.yaml may fix the groups; usually the cluster's Terraform names them in
+	// the control-plane nodes' user-data (berth_node_config instance_groups).
+	groups := gcp.InstanceGroups
+	if len(groups) == 0 {
+		groups = self.UserData.InstanceGroups
+	}
+	if len(groups) == 0 {
+		return nil, nil, errors.New("no managed instance group may join: a control-plane node on Compute Engine admits the instances of the groups in its user-data (berth_node_config instance_groups) or in agent.yaml's gcp.instanceGroups, with their roles")
+	}
+	meta, ok := a.meta.(*gcemetadata.Client)
+	if !ok {
+		return nil, nil, errors.New("gcp: the join service calls the Compute API with the service account of the node's metadata server, and this node does not read one")
+	}
+	project, network := gcp.Project, gcp.Network
+	if project == "" || network == "" {
+		p, _, n, err := meta.Placement(ctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("finding this node's project and network: %w", err)
+		}
+		project, network = cmp.Or(project, p), cmp.Or(network, n)
+	}
+	svc, err := computeinstances.NewService(ctx, gcp.ComputeEndpoint, meta.TokenSource(ctx), log)
+	if err != nil {
+		return nil, nil, err
+	}
+	lookup, err := computeinstances.New(computeinstances.Config{Service: svc, Project: project, Network: network, Groups: groups, Logger: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	roots, inters, err := shieldedvm.GoogleCAs()
+	if gcp.EKCABundle != "" {
+		roots, inters, err = readCABundle(gcp.EKCABundle)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	log.Info("nodes are looked up in Compute Engine", "project", project, "network", network,
+		"instance_groups", slices.Sorted(maps.Keys(groups)), "ek_cas", cmp.Or(gcp.EKCABundle, "Google's"))
+	trust := shieldedvm.NewTrust(roots, inters, computeinstances.NewIdentities(svc, log), nil)
+	return lookup, attest.NewVerifier(trust), nil
+}
+
 // ekVerifier trusts the TPM vendors' EK CAs in bundle.
 func ekVerifier(bundle string) (*attest.Verifier, error) {
-	data, err := os.ReadFile(bundle)
+	roots, inters, err := readCABundle(bundle)
 	if err != nil {
-		return nil, fmt.Errorf("EK CA bundle: %w", err)
-	}
-	roots, inters, err := attest.ParseCABundle(data)
-	if err != nil {
-		return nil, fmt.Errorf("EK CA bundle %s: %w", bundle, err)
+		return nil, err
 	}
 	return attest.NewVerifier(attest.NewCertChain(roots, inters, nil)), nil
+}
+
+// readCABundle reads a PEM file of EK CAs: its self-signed certificates are roots, the others intermediates.
+func readCABundle(bundle string) (roots, intermediates *x509.CertPool, err error) {
+	data, err := os.ReadFile(bundle)
+	if err != nil {
+		return nil, nil, fmt.Errorf("EK CA bundle: %w", err)
+	}
+	roots, intermediates, err = attest.ParseCABundle(data)
+	if err != nil {
+		return nil, nil, fmt.Errorf("EK CA bundle %s: %w", bundle, err)
+	}
+	return roots, intermediates, nil
 }
 
 // publishInitialPolicy creates the policy ConfigMap from the init request's policy, unless it exists.

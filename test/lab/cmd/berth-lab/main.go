@@ -41,6 +41,8 @@ const usage = `berth-lab: a local attested Berth cluster.
 
   berth-lab metadata --document FILE --listen ADDR
         the lab's instance-metadata service (started by host and up)
+  berth-lab gce-metadata --config FILE --listen ADDR
+        a GCP lab node's GCE metadata server (started at the node's power-on, in its network namespace)
 `
 
 func main() {
@@ -73,7 +75,8 @@ func main() {
 	kubeconfig := fs.String("kubeconfig", "", "wait: the cluster's admin kubeconfig")
 	timeout := fs.Duration("timeout", 10*time.Minute, "wait: how long to wait")
 	document := fs.String("document", "", "metadata: the instance document")
-	listen := fs.String("listen", "", "metadata: listen address")
+	listen := fs.String("listen", "", "metadata, gce-metadata: listen address")
+	gceConfig := fs.String("config", "", "gce-metadata: the instance, as JSON")
 	fs.Parse(args)
 	if fs.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "berth-lab %s: unexpected argument %q\n", command, fs.Arg(0))
@@ -98,6 +101,8 @@ func main() {
 		err = wait(ctx, *dir, *kubeconfig, *timeout)
 	case "metadata":
 		err = serveMetadata(ctx, *document, *listen)
+	case "gce-metadata":
+		err = serveGCEMetadata(ctx, *gceConfig, *listen)
 	default:
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
@@ -227,4 +232,15 @@ func serveMetadata(ctx context.Context, document, listen string) error {
 		return err
 	}
 	return lab.ServeMetadata(ctx, lis, document, slog.New(slog.NewJSONHandler(os.Stderr, nil)))
+}
+
+func serveGCEMetadata(ctx context.Context, config, listen string) error {
+	if config == "" || listen == "" {
+		return errors.New("gce-metadata needs --config and --listen")
+	}
+	lis, err := net.Listen("tcp", listen)
+	if err != nil {
+		return err
+	}
+	return lab.ServeGCEMetadata(ctx, lis, config)
 }
