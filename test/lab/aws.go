@@ -265,14 +265,24 @@ func (n *Node) powerOnAWS(ctx context.Context) error {
 	if _, _, err := n.startCmdEnv("imds", []string{"HOME=" + n.path("imds"), "PATH=" + os.Getenv("PATH")}, args...); err != nil {
 		return err
 	}
+	return n.waitListening(ctx, "IMDS", net.JoinHostPort(imdsAddr, strconv.Itoa(imdsPort)), "imds")
+}
+
+// waitListening waits until a server the node runs (what, its log named log) listens on addr inside the
+// node's network namespace.
+func (n *Node) waitListening(ctx context.Context, what, addr, log string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 		// bash's /dev/tcp: a connection from inside the node's network namespace.
-		_, err := run(ctx, "nsenter", "--net="+n.netns(), "bash", "-c", fmt.Sprintf("exec 3<>/dev/tcp/%s/%d", imdsAddr, imdsPort))
+		_, err := run(ctx, "nsenter", "--net="+n.netns(), "bash", "-c", fmt.Sprintf("exec 3<>/dev/tcp/%s/%s", host, port))
 		if err == nil {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("IMDS of %s does not listen on %s:%d (see %s): %w", n.Name, imdsAddr, imdsPort, n.path("logs/imds.log"), err)
+			return fmt.Errorf("the %s of %s does not listen on %s (see %s): %w", what, n.Name, addr, n.path("logs/"+log+".log"), err)
 		}
 	}
 }

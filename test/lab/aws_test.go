@@ -103,12 +103,20 @@ func TestAWSLab(t *testing.T) {
 		batch: {`"msg":"EC2 instance refused"`, `"address":"` + batch.Addr.String() + `"`,
 			fmt.Sprintf(`instance %s is in autoscaling group \"berth-batch\", which has no role here`, batch.InstanceID)},
 	}
+	checkStayOut(ctx, t, l, cp, refusals, []string{"cp-0", "worker-0"})
+}
+
+// checkStayOut checks that cp's join service refuses each node of refusals with log lines holding all of
+// its texts, twice (the node tried again), that the nodes stay out of the cluster, whose nodes are members,
+// and that none of them got a ticket.
+func checkStayOut(ctx context.Context, t *testing.T, l *Lab, cp *Node, refusals map[*Node][]string, members []string) {
+	t.Helper()
 	for n, texts := range refusals {
 		waitLogCount(ctx, t, cp, 2, texts...)
 		t.Logf("%s refused: %s", n.Name, tail(grepLines(logFrom(t, cp, 0), texts), 1))
 	}
-	// They stay out: a good node is Ready here within seconds of its boot (worker-0, which booted after
-	// them), and the bad ones keep trying for a multiple of that.
+	// They stay out: a good node is Ready here within seconds of its boot, and the bad ones keep trying for
+	// a multiple of that.
 	for n := range refusals {
 		if d := time.Until(n.booted.Add(stayOut)); d > 0 {
 			time.Sleep(d)
@@ -118,13 +126,13 @@ func TestAWSLab(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := strings.Fields(nodes); !slices.Equal(got, []string{"cp-0", "worker-0"}) {
-		t.Errorf("the cluster's nodes are %v, want cp-0 and worker-0 only", got)
+	if got := strings.Fields(nodes); !slices.Equal(got, members) {
+		t.Errorf("the cluster's nodes are %v, want %v only", got, members)
 	}
 	for n := range refusals {
 		notInLog(t, n, 0, `"msg":"join ticket received"`)
 		if grepLines(logFrom(t, cp, 0), []string{`"msg":"join ticket issued"`, `"peer_node":"` + n.Name + `"`}) != "" {
-			t.Errorf("cp-0 issued a join ticket to %s", n.Name)
+			t.Errorf("%s issued a join ticket to %s", cp.Name, n.Name)
 		}
 	}
 	for name, d := range l.Timings {

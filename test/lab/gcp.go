@@ -228,17 +228,7 @@ func (n *Node) powerOnGCP(ctx context.Context) error {
 	if _, _, err := n.startCmdEnv("gce-metadata", nil, args...); err != nil {
 		return err
 	}
-	host, port, _ := net.SplitHostPort(gceMetadataAddr)
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		// bash's /dev/tcp: a connection from inside the node's network namespace.
-		_, err := run(ctx, "nsenter", "--net="+n.netns(), "bash", "-c", fmt.Sprintf("exec 3<>/dev/tcp/%s/%s", host, port))
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the metadata server of %s does not listen on %s (see %s): %w", n.Name, gceMetadataAddr, n.path("logs/gce-metadata.log"), err)
-		}
-	}
+	return n.waitListening(ctx, "metadata server", gceMetadataAddr, "gce-metadata")
 }
 
 // certifyVTPM reads the EK of the node's TPM and writes its certificate from the lab's vTPM CA, naming

@@ -4,8 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/rsa"
-	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -91,29 +89,5 @@ func TestGCPLab(t *testing.T) {
 		batch: {`"msg":"Compute Engine instance refused"`, `"address":"` + batch.Addr.String() + `"`,
 			"instance batch-0 (" + GCPZone + ") is in none of the managed instance groups that have a role here"},
 	}
-	for n, texts := range refusals {
-		waitLogCount(ctx, t, cp, 2, texts...)
-		t.Logf("%s refused: %s", n.Name, tail(grepLines(logFrom(t, cp, 0), texts), 1))
-	}
-	for n := range refusals {
-		if d := time.Until(n.booted.Add(stayOut)); d > 0 {
-			time.Sleep(d)
-		}
-	}
-	nodes, err := l.Kubectl(ctx, "get", "nodes", "-o", "jsonpath={.items[*].metadata.name}")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := strings.Fields(nodes); !slices.Equal(got, []string{"cp-0", "worker-0"}) {
-		t.Errorf("the cluster's nodes are %v, want cp-0 and worker-0 only", got)
-	}
-	for n := range refusals {
-		notInLog(t, n, 0, `"msg":"join ticket received"`)
-		if grepLines(logFrom(t, cp, 0), []string{`"msg":"join ticket issued"`, `"peer_node":"` + n.Name + `"`}) != "" {
-			t.Errorf("cp-0 issued a join ticket to %s", n.Name)
-		}
-	}
-	for name, d := range l.Timings {
-		t.Logf("%s: %.1fs", name, d.Seconds())
-	}
+	checkStayOut(ctx, t, l, cp, refusals, []string{"cp-0", "worker-0"})
 }

@@ -79,7 +79,7 @@ func NewAPI(ctx context.Context, region, endpoint string, log *slog.Logger) (*ec
 	cfg, err := config.LoadDefaultConfig(ctx,
 		config.WithRegion(region),
 		config.WithRetryer(newRetryer(baseBackoff, maxBackoff)),
-		config.WithLogger(sdkLogger{log.With("component", "aws-sdk")}),
+		config.WithLogger(sdkLogger{log.With("subsystem", "aws-sdk")}),
 	)
 	if err != nil {
 		return nil, fmt.Errorf("EC2 client: loading the AWS configuration: %w", err)

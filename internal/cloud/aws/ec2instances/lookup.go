@@ -213,7 +213,7 @@ func New(cfg Config) (*Lookup, error) {
 	}
 	// A copy, so that a caller changing its map later cannot change roles behind the checks above.
 	cfg.Roles = maps.Clone(cfg.Roles)
-	log = log.With("component", "ec2instances", "vpc", cfg.VPCID)
+	log = log.With("subsystem", "ec2instances", "vpc", cfg.VPCID)
 	return &Lookup{
 		cfg:        cfg,
 		log:        log,

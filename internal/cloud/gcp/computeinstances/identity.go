@@ -76,7 +76,7 @@ func NewIdentities(svc *compute.Service, log *slog.Logger) *Identities {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return newIdentities(svc, log.With("component", "computeinstances"), time.Now, DefaultIdentityCacheTTL, DefaultIdentityCacheSize,
+	return newIdentities(svc, log.With("subsystem", "computeinstances"), time.Now, DefaultIdentityCacheTTL, DefaultIdentityCacheSize,
 		DefaultCallTimeout, DefaultIdentityRate, DefaultBurst)
 }
 

@@ -274,7 +274,7 @@ func New(cfg Config) (*Lookup, error) {
 	}
 	// A copy, so that a caller changing its map later cannot change roles behind the checks above.
 	cfg.Groups = maps.Clone(cfg.Groups)
-	log = log.With("component", "computeinstances", "project", cfg.Project, "network", network)
+	log = log.With("subsystem", "computeinstances", "project", cfg.Project, "network", network)
 	return &Lookup{
 		cfg:        cfg,
 		log:        log,

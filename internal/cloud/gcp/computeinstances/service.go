@@ -122,7 +122,7 @@ func newHTTPClient(ts oauth2.TokenSource, log *slog.Logger, tc transportConfig) 
 		Transport: &oauth2.Transport{
 			Source: oauth2.ReuseTokenSource(nil, ts),
 			Base: &boundedTransport{limit: tc.maxBody, next: &retryTransport{
-				next: base, log: log.With("component", "compute-api"), timeout: tc.requestTimeout,
+				next: base, log: log.With("subsystem", "compute-api"), timeout: tc.requestTimeout,
 				base: tc.baseBackoff, cap: tc.maxBackoff,
 			}},
 		},

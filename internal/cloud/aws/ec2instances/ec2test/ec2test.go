@@ -9,18 +9,12 @@
 package ec2test
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/base64"
 	"encoding/hex"
-	"encoding/pem"
 	"encoding/xml"
 	"fmt"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -33,7 +27,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/berthlabs/berth/internal/tlstest"
 )
 
 // APIVersion is the EC2 API version the SDK sends.
@@ -170,7 +165,7 @@ func Start(o Options) (*Server, error) {
 		s.srv.Close()
 		return nil, fmt.Errorf("ec2test: %w", err)
 	}
-	cert, caPEM, err := serverCertificate(host)
+	cert, caPEM, err := tlstest.ServerCertificate(host, "ec2test CA")
 	if err != nil {
 		s.srv.Close()
 		return nil, fmt.Errorf("ec2test: %w", err)
@@ -186,48 +181,6 @@ func Start(o Options) (*Server, error) {
 func (s *Server) Close() {
 	s.Release()
 	s.srv.Close()
-}
-
-// serverCertificate makes a CA and a certificate it issues for host (an IP address or a DNS name), valid
-// for a day: what a TLS endpoint needs that its clients pin by the CA.
-func serverCertificate(host string) (tls.Certificate, []byte, error) {
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	now := time.Now()
-	ca := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "ec2test CA"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, caKey.Public(), caKey)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	if ca, err = x509.ParseCertificate(caDER); err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	leaf := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: host},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	if ip := net.ParseIP(host); ip != nil {
-		leaf.IPAddresses = []net.IP{ip}
-	} else {
-		leaf.DNSNames = []string{host}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, leaf, ca, key.Public(), caKey)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, caPEM, nil
 }
 
 // AccessKeyIDs are the access key ids that signed the requests so far, sorted: who called.

@@ -14,18 +14,14 @@
 package computetest
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"maps"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -38,7 +34,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/berthlabs/berth/internal/tlstest"
 )
 
 // BasePath is the path Compute Engine's v1 API lives under; Server.Endpoint ends with it.
@@ -234,7 +231,7 @@ func Start(o Options) (*Server, error) {
 			s.srv.Close()
 			return nil, fmt.Errorf("computetest: %w", err)
 		}
-		cert, caPEM, err := serverCertificate(host)
+		cert, caPEM, err := tlstest.ServerCertificate(host, "computetest CA")
 		if err != nil {
 			s.srv.Close()
 			return nil, fmt.Errorf("computetest: %w", err)
@@ -254,48 +251,6 @@ func Start(o Options) (*Server, error) {
 func (s *Server) Close() {
 	s.Release()
 	s.srv.Close()
-}
-
-// serverCertificate makes a CA and a certificate it issues for host (an IP address or a DNS name), valid
-// for a day.
-func serverCertificate(host string) (tls.Certificate, []byte, error) {
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	now := time.Now()
-	ca := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "computetest CA"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, caKey.Public(), caKey)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	if ca, err = x509.ParseCertificate(caDER); err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	leaf := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: host},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	if ip := net.ParseIP(host); ip != nil {
-		leaf.IPAddresses = []net.IP{ip}
-	} else {
-		leaf.DNSNames = []string{host}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, leaf, ca, key.Public(), caKey)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	caPEM := pemEncode("CERTIFICATE", caDER)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, caPEM, nil
 }
 
 func pemEncode(typ string, der []byte) []byte {
