@@ -54,6 +54,8 @@ declare -A pkgs=(
 	[busybox]=busybox-static
 	[gcc]=gcc
 	[sqlite3]=sqlite3
+	[zip]=zip
+	[unzip]=unzip
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.

@@ -1,3 +1,11 @@
+terraform {
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
 # berth-image.json is written by `packer build` with the Berth plugin.
 data "berth_image" "release" {
   path = "${path.module}/berth-image.json"

@@ -1,3 +1,14 @@
+terraform {
+  # Write-only arguments need Terraform 1.11.
+  required_version = ">= 1.11"
+
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
 variable "root_key" {
   type      = string
   ephemeral = true

@@ -1,3 +1,11 @@
+terraform {
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
 # The images in the Packer manifest that may join, per role. Dropping an image from the list stops new
 # nodes of it from joining.
 data "berth_image" "current" {

@@ -1,3 +1,14 @@
+terraform {
+  # Write-only arguments need Terraform 1.11.
+  required_version = ">= 1.11"
+
+  required_providers {
+    berth = {
+      source = "berthlabs/berth"
+    }
+  }
+}
+
 # The root key stays out of Terraform state: keep it in your secret store and pass it on every run, e.g.
 # export TF_VAR_root_key="$(head -c 32 /dev/urandom | base64)" the first time, then read it back from the store.
 variable "root_key" {
