@@ -127,6 +127,8 @@ type Agent struct {
 	mounted bool
 	// key is the disk key once it is set in this boot; unlock seals it.
 	key []byte
+	// telemetry is the process's metrics and health server, if agent.yaml sets metricsListen.
+	telemetry processTelemetry
 	// unlock seals the disk key in the TPM; nil on nodes that do not.
 	unlock *localunlock.Unlocker
 }
@@ -292,7 +294,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.Self, prepared statedisk.Prepared, prover Prover, lock *nodestate.Lock, jc *joinclient.Client) error {
 	var initDone <-chan struct{}
 	if self.Instance.Role == metadata.RoleControlPlane && self.UserData.InitSecretHash != "" {
-		srv, stop, err := a.startInitServer(prover, lock, self, prepared, log)
+		srv, stop, err := a.startInitServer(ctx, prover, lock, self, prepared, log)
 		if err != nil {
 			return err
 		}
@@ -325,9 +327,17 @@ func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.
 	}
 }
 
-func (a *Agent) startInitServer(prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
+func (a *Agent) startInitServer(ctx context.Context, prover Prover, lock *nodestate.Lock, self *metadata.Self, prepared statedisk.Prepared, log *slog.Logger) (*initserver.Server, func(), error) {
+	tel, err := a.startTelemetry(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("init server: %w", err)
+	}
+	var metrics initserver.Metrics
+	if tel.metrics != nil {
+		metrics = tel.metrics
+	}
 	srv, err := initserver.New(initserver.Config{
-		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self,
+		Prover: prover, Lock: lock, Disk: unlockingDisk{a}, Prepared: prepared, Self: self, Metrics: metrics,
 		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint(), inst: &self.Instance}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,

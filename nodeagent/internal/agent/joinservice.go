@@ -3,8 +3,10 @@ package agent
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +19,8 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -30,6 +34,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cfssl"
+	"github.com/berthlabs/berth/internal/cloud/apicalls"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/imds"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances"
@@ -39,8 +44,10 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
 // InitialPolicyFile is where the init server leaves the policy of the init request, for the join service
@@ -65,6 +72,10 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		return err
 	}
 	log := a.log.With("component", "join-service", "node", self.Instance.Name)
+	tel, err := a.startTelemetry(ctx)
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
 	secrets, err := nodestate.ReadSecrets(a.cfg.Paths.State)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
@@ -78,7 +89,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
 	}
-	instances, verifier, err := a.nodeRecords(ctx, self, log)
+	instances, verifier, err := a.nodeRecords(ctx, self, tel.metrics, log)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -107,6 +118,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		names:  []string{self.Instance.Name}, ips: ips,
 		kube: kube, policyFile: a.cfg.PolicyFile, policyConfigMap: a.cfg.PolicyConfigMap,
 		initialPolicy: a.publishInitialPolicy, followPolicy: a.followPolicy(log), log: log,
+		metrics: tel.metrics, health: tel.server,
 	}, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         instances,
@@ -138,6 +150,10 @@ type joinServer struct {
 	// followPolicy, if set, runs beside the service with its policy store and the store's first Changed.
 	followPolicy func(ctx context.Context, store *policy.Store, changed <-chan struct{})
 	log          *slog.Logger
+	// metrics and health, if set, are the process's metrics, which the service's then count in, and its
+	// health server, which it makes ready once the service is.
+	metrics *telemetry.Metrics
+	health  *telemetry.Server
 }
 
 // serveJoins runs a join service with cfg (its policy from s) until ctx ends.
@@ -145,6 +161,16 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	store := policy.NewStore(&policy.Policy{})
+	if s.metrics != nil {
+		cfg.Metrics = s.metrics
+		telemetry.CountKubernetesRequests(s.metrics.Calls(telemetry.APIKubernetes))
+		loaded := watchPolicyLoads(ctx, store, s.metrics)
+		if s.health != nil {
+			api := telemetry.StartProbe(ctx, apiProbeInterval, apiProbeTimeout, apiVersion(s.kube), s.metrics.APIReachable)
+			s.health.AddCheck("policy", loaded)
+			s.health.AddCheck("kubernetes-api", api.Err)
+		}
+	}
 	if s.followPolicy != nil {
 		// The empty policy the store starts with is no one's: only what a watcher loads is followed.
 		changed := store.Changed()
@@ -179,11 +205,14 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	lis = svc.Listen(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0), rpc.DefaultPerAddress)
+	admitted := svc.Listen(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0), rpc.DefaultPerAddress)
+	if s.metrics != nil {
+		s.metrics.WatchAdmission(admitted)
+	}
 	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterJoinServiceServer(gs, svc)
 	served := make(chan error, 1)
-	go func() { served <- gs.Serve(lis) }()
+	go func() { served <- gs.Serve(admitted) }()
 	s.log.Info("join service listening", "address", lis.Addr().String(), "method", cfg.Method.String())
 	select {
 	case <-ctx.Done():
@@ -221,9 +250,9 @@ func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
 // nodeRecords is where a control-plane node's join service finds who a connecting node is and whether its
 // TPM is genuine: on EC2, the EC2 API (instance by address, role by autoscaling group, the EK EC2 reports
 // for the instance); elsewhere the metadata service and the EK CA bundle.
-func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, metrics *telemetry.Metrics, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
 	if a.cfg.GCP != nil {
-		return a.computeRecords(ctx, self, log)
+		return a.computeRecords(ctx, self, apiCalls(metrics, telemetry.APICompute), log)
 	}
 	if a.cfg.AWS == nil {
 		verifier, err := ekVerifier(a.cfg.EKCABundle)
@@ -255,7 +284,8 @@ func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.
 	if err != nil {
 		return nil, nil, err
 	}
-	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: groups, Logger: log})
+	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: groups, Logger: log,
+		Calls: apiCalls(metrics, telemetry.APIEC2)})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -266,7 +296,7 @@ func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, log *slog.
 // computeRecords is nodeRecords on Compute Engine: instances by address and roles by managed instance group
 // from the Compute API, called as this node's service account; vTPMs trusted by Google's EK certificate and
 // the Shielded identity the API reports for the instance.
-func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
+func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, calls apicalls.Counter, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
 	gcp := a.cfg.GCP
 	// As on EC2: the image's agent.yaml may fix the groups; usually the cluster's Terraform names them in
 	// the control-plane nodes' user-data (berth_node_config instance_groups).
@@ -289,7 +319,7 @@ func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, log *sl
 		}
 		project, network = cmp.Or(project, p), cmp.Or(network, n)
 	}
-	svc, err := computeinstances.NewService(ctx, gcp.ComputeEndpoint, meta.TokenSource(ctx), log)
+	svc, err := computeinstances.NewService(ctx, gcp.ComputeEndpoint, meta.TokenSource(ctx), log, calls)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -308,6 +338,29 @@ func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, log *sl
 		"instance_groups", slices.Sorted(maps.Keys(groups)), "ek_cas", cmp.Or(gcp.EKCABundle, "Google's"))
 	trust := shieldedvm.NewTrust(roots, inters, computeinstances.NewIdentities(svc, log), nil)
 	return lookup, attest.NewVerifier(trust), nil
+}
+
+// apiVersion asks the API server for /version, which every client may read, within its context: discovery's
+// own ServerVersion takes none, and a probe stuck on a dead connection would keep reporting its last success.
+func apiVersion(kube kubernetes.Interface) func(context.Context) error {
+	return func(ctx context.Context) error {
+		rc := kube.Discovery().RESTClient()
+		if rc == nil {
+			return errors.New("the Kubernetes client has no REST client to check the API server with")
+		}
+		if err := rc.Get().AbsPath("/version").Do(ctx).Error(); err != nil {
+			return fmt.Errorf("API server /version: %w", err)
+		}
+		return nil
+	}
+}
+
+// apiCalls counts requests to api in metrics; nil, counting nothing, without metrics.
+func apiCalls(metrics *telemetry.Metrics, api string) apicalls.Counter {
+	if metrics == nil {
+		return nil
+	}
+	return metrics.Calls(api)
 }
 
 // ekVerifier trusts the TPM vendors' EK CAs in bundle.
@@ -442,5 +495,85 @@ func collectDiskRecords(ctx context.Context, disks *joinservice.KubeDisks, looku
 		if err != nil && ctx.Err() == nil {
 			log.Warn("collecting disk records", "error", err)
 		}
+	}
+}
+
+// How the readiness check sees the Kubernetes API: a cheap request (/version) in the background, so that a
+// load balancer's probes never reach the API server.
+const (
+	apiProbeInterval = 10 * time.Second
+	apiProbeTimeout  = 5 * time.Second
+)
+
+// processTelemetry is the agent process's metrics and health server: one per process, started by the first
+// server that runs (the init server, then the join service in the same boot), when agent.yaml sets
+// metricsListen.
+type processTelemetry struct {
+	once    sync.Once
+	metrics *telemetry.Metrics
+	server  *telemetry.Server
+	err     error
+}
+
+// startTelemetry starts the process's metrics and health server on metricsListen, once, serving until ctx
+// ends; without metricsListen it returns nil metrics and server.
+func (a *Agent) startTelemetry(ctx context.Context) (*processTelemetry, error) {
+	t := &a.telemetry
+	t.once.Do(func() {
+		if a.cfg.MetricsListen == "" {
+			return
+		}
+		lis, err := net.Listen("tcp", a.cfg.MetricsListen)
+		if err != nil {
+			t.err = fmt.Errorf("metrics listener: %w", err)
+			return
+		}
+		log := a.log.With("component", "metrics")
+		t.metrics = telemetry.New(telemetry.Labels{
+			JoinCalls: joinservice.Calls, JoinRefusals: joinservice.RefusalReasons, JoinErrors: joinservice.ErrorKinds,
+			InitResults: initserver.Results,
+		})
+		t.server = telemetry.NewServer(t.metrics, log)
+		go func() {
+			if err := t.server.Serve(ctx, lis); err != nil {
+				log.Error("serving metrics", "error", err)
+			}
+		}()
+		log.Info("metrics and health listening", "address", lis.Addr().String())
+	})
+	return t, t.err
+}
+
+// watchPolicyLoads records each policy the store's source loads in metrics, until ctx ends, and returns a
+// readiness check that passes once one was loaded. It takes the store's Changed at once, before any source
+// can set the store.
+func watchPolicyLoads(ctx context.Context, store *policy.Store, metrics *telemetry.Metrics) telemetry.Check {
+	var loaded atomic.Bool
+	changed := store.Changed()
+	go func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-changed:
+			}
+			// The next change is taken before the policy is read, so that none falls between the two.
+			changed = store.Changed()
+			p := store.Load()
+			// A policy whose version cannot be shown is loaded all the same: the version only labels it.
+			version := "unknown"
+			if data, err := p.Marshal(); err == nil {
+				sum := sha256.Sum256(data)
+				version = hex.EncodeToString(sum[:6])
+			}
+			metrics.PolicyLoaded(len(p.Images), version, time.Now())
+			loaded.Store(true)
+		}
+	}()
+	return func() error {
+		if !loaded.Load() {
+			return errors.New("no join policy loaded yet")
+		}
+		return nil
 	}
 }

@@ -117,7 +117,29 @@ type Config struct {
 	SlotWait time.Duration
 	Clock    func() time.Time
 	Logger   *slog.Logger
+	// Metrics, if set, counts the exchanges by result.
+	Metrics Metrics
 }
+
+// Metrics counts init exchanges by result, one of Results.
+type Metrics interface {
+	InitExchange(result string, took time.Duration)
+}
+
+// Results of an init exchange, as Metrics counts them. Before the init secret is checked every failure is
+// ResultRefused, as the client is told: the metrics, like the answers, tell nothing about a wrong secret
+// that a malformed hello would not.
+const (
+	ResultInitialized = "initialized"
+	ResultRefused     = "refused"
+	ResultBusy        = "busy"            // another exchange held the init slot
+	ResultInvalid     = "invalid_request" // the secret was right, the request was not
+	ResultLocked      = "locked"          // the node is a member already, or joining
+	ResultFailed      = "failed"          // the init failed after the node was committed
+)
+
+// Results are every result of an init exchange.
+var Results = []string{ResultInitialized, ResultRefused, ResultBusy, ResultInvalid, ResultLocked, ResultFailed}
 
 // Initialized is what a successful init made of the node.
 type Initialized struct {
@@ -181,6 +203,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = noMetrics{}
+	}
 	if cfg.Self.UserData.InitSecretHash == "" {
 		cfg.Logger.Warn("user-data holds no init secret hash: every init will be refused")
 	}
@@ -236,6 +261,9 @@ func (s *Server) Result() *Initialized {
 
 // Init runs one init exchange; see the package documentation.
 func (s *Server) Init(st berthv1.InitService_InitServer) error {
+	start := time.Now()
+	outcome := ResultRefused
+	defer func() { s.cfg.Metrics.InitExchange(outcome, time.Since(start)) }()
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	// The slot is taken only by a stream that said hello at once: a silent one never holds it, and one
@@ -245,6 +273,7 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 		return errRefused
 	}
 	if !s.slot.Take(ctx, s.cfg.SlotWait) {
+		outcome = ResultBusy
 		return rpc.ErrBusy
 	}
 	defer s.slot.Release()
@@ -267,10 +296,12 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 	}
 	if err != nil {
 		log.Warn("init request refused", "reason", err)
+		outcome = ResultInvalid
 		return status.Errorf(codes.InvalidArgument, "init request refused: %v", err)
 	}
 	if !s.cfg.Lock.TryLock(nodestate.OwnerInit) {
 		log.Warn("init refused: the node lock is taken")
+		outcome = ResultLocked
 		return status.Error(codes.FailedPrecondition, "node is already a cluster member (or joining)")
 	}
 	log = log.With("cluster", p.clusterID)
@@ -283,6 +314,7 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 	res, kubeconfig, err := s.initialize(work, log, p, out.line)
 	if err != nil {
 		log.Error("init failed: the node is half-initialized and refuses every further init; replace it", "error", err)
+		outcome = ResultFailed
 		return status.Errorf(codes.Internal,
 			"init failed after the node was committed: it is half-initialized and refuses every further init; replace it: %v", err)
 	}
@@ -298,8 +330,14 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 	}
 	s.mu.Unlock()
 	log.Info("cluster initialized", "node", res.State.NodeName)
+	outcome = ResultInitialized
 	return nil
 }
+
+// noMetrics counts nothing.
+type noMetrics struct{}
+
+func (noMetrics) InitExchange(string, time.Duration) {}
 
 // authenticate runs the exchange up to the init secret check and returns the request that passed it, or
 // nil. It neither logs nor tells why: see the package documentation.

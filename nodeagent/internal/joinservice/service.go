@@ -74,8 +74,56 @@ type KubeletSigner interface {
 	SignKubelet(ctx context.Context, csr *x509.CertificateRequest, node string, ips []net.IP) (*x509.Certificate, error)
 }
 
-// Config is everything a Server needs; all fields but Method, Kubelet, Clock, Logger, TokenTTL, Timeout,
-// KubeletSigner and ControlPlaneFiles are required, and Tokens is required for the kubeadm method only.
+// Metrics counts what each exchange came to, for the operator's dashboards. Its label values come from the
+// service's fixed lists (Calls, RefusalReasons, ErrorKinds), never from what a peer sent.
+type Metrics interface {
+	TicketIssued(call string, took time.Duration)
+	TicketRefused(call, reason string, took time.Duration)
+	ExchangeFailed(call, kind string, took time.Duration)
+}
+
+// Calls of the service, as Metrics names them.
+const (
+	CallJoin   = "join"
+	CallRejoin = "rejoin"
+	CallRenew  = "renew"
+)
+
+// Calls are every call of the service.
+var Calls = []string{CallJoin, CallRejoin, CallRenew}
+
+// Reasons the service refuses a node, as Metrics counts them.
+const (
+	RefusedConnection   = "connection"   // the connection carries no TLS exporter to bind a quote to
+	RefusedRequest      = "request"      // the first message is not the call's request, or is malformed
+	RefusedDiskID       = "disk_id"      // the disk id is not a UUID
+	RefusedNoInstance   = "no_instance"  // no instance record at the connecting address
+	RefusedAddress      = "address"      // the node names another instance than its address's
+	RefusedRole         = "role"         // the node's role is not its record's, or not one this service joins
+	RefusedAttestation  = "attestation"  // the quote, EK or credential activation failed
+	RefusedMeasurements = "measurements" // the policy allows no image with these PCRs for the role
+	RefusedCSR          = "csr"          // the kubelet CSR does not name the instance
+	RefusedDiskOwner    = "disk_owner"   // the disk is keyed to another TPM
+	RefusedDiskUnknown  = "disk_unknown" // a rejoin or renewal for a disk that never joined
+	RefusedMethod       = "method"       // a renewal where kubelets rotate through the API server
+)
+
+// RefusalReasons are every reason the service refuses a node.
+var RefusalReasons = []string{RefusedConnection, RefusedRequest, RefusedDiskID, RefusedNoInstance, RefusedAddress,
+	RefusedRole, RefusedAttestation, RefusedMeasurements, RefusedCSR, RefusedDiskOwner, RefusedDiskUnknown, RefusedMethod}
+
+// Kinds of exchange that end without ticket or refusal, as Metrics counts them.
+const (
+	ErrorInternal = "internal" // the service failed (API server, signer): the node retries
+	ErrorStream   = "stream"   // the stream ended: peer gone, timeout
+)
+
+// ErrorKinds are every kind of exchange error.
+var ErrorKinds = []string{ErrorInternal, ErrorStream}
+
+// Config is everything a Server needs; all fields but Method, Kubelet, Clock, Logger, Metrics, TokenTTL,
+// Timeout, KubeletSigner and ControlPlaneFiles are required, and Tokens is required for the kubeadm method
+// only.
 type Config struct {
 	Verifier  *attest.Verifier
 	Policy    PolicySource
@@ -112,6 +160,8 @@ type Config struct {
 	Timeout time.Duration
 	Clock   func() time.Time
 	Logger  *slog.Logger
+	// Metrics, if set, counts the exchanges.
+	Metrics Metrics
 }
 
 // Server implements berthv1.JoinServiceServer.
@@ -160,6 +210,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = noMetrics{}
+	}
 	if cfg.KubeletSigner == nil {
 		if cfg.KubernetesCA.Key == nil {
 			return nil, errors.New("join service: the Kubernetes CA has no key and no kubelet signer is configured")
@@ -189,7 +242,8 @@ type exchange struct {
 type stream = berthv1.JoinService_IssueJoinTicketServer
 
 // IssueJoinTicket attests a new node and hands it everything to join.
-func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) error {
+func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) (err error) {
+	defer s.observe(CallJoin, time.Now(), &err)
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	var csr *x509.CertificateRequest
@@ -208,15 +262,15 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 		return err
 	}
 	if err := checkCSR(csr, ex.instance); err != nil {
-		return s.refuse(ex.log, codes.PermissionDenied, "kubelet CSR refused", err)
+		return s.refuse(ex.log, RefusedCSR, codes.PermissionDenied, "kubelet CSR refused", err)
 	}
 	if s.cfg.Method == berthv1.JoinMethod_JOIN_METHOD_KUBELET && ex.instance.Role != metadata.RoleWorker {
-		return s.refuse(ex.log, codes.PermissionDenied, "role refused",
+		return s.refuse(ex.log, RefusedRole, codes.PermissionDenied, "role refused",
 			fmt.Errorf("this join service joins workers to an external control plane; the instance record says %q", ex.instance.Role))
 	}
 	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek, ex.instance); {
 	case errors.Is(err, ErrDiskOwnedByOther):
-		return s.refuse(ex.log, codes.PermissionDenied, "disk refused", err)
+		return s.refuse(ex.log, RefusedDiskOwner, codes.PermissionDenied, "disk refused", err)
 	case err != nil:
 		return s.fail(ex.log, "recording disk owner", err)
 	}
@@ -237,7 +291,8 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) e
 
 // IssueRejoinTicket gives a node that joined before the key to its state disk, if the disk was first keyed
 // to the TPM that asks.
-func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServer) error {
+func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServer) (err error) {
+	defer s.observe(CallRejoin, time.Now(), &err)
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	ex, err := s.attest(ctx, st, func(m *berthv1.JoinClientMessage) (claim, error) {
@@ -271,7 +326,8 @@ func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServe
 
 // RenewKubeletCertificate signs a new kubelet client certificate for a node that joined with a kubelet-method
 // ticket, after the checks of a rejoin (its TPM owns its disk) and of a join (the CSR names the instance).
-func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCertificateServer) error {
+func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCertificateServer) (err error) {
+	defer s.observe(CallRenew, time.Now(), &err)
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
 	var csr *x509.CertificateRequest
@@ -290,14 +346,14 @@ func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCert
 		return err
 	}
 	if s.cfg.Method != berthv1.JoinMethod_JOIN_METHOD_KUBELET {
-		return s.refuse(ex.log, codes.FailedPrecondition, "renewal refused",
+		return s.refuse(ex.log, RefusedMethod, codes.FailedPrecondition, "renewal refused",
 			errors.New("this cluster's kubelets rotate their certificates through the API server"))
 	}
 	if err := s.checkOwner(ctx, ex, "renewal refused"); err != nil {
 		return err
 	}
 	if err := checkCSR(csr, ex.instance); err != nil {
-		return s.refuse(ex.log, codes.PermissionDenied, "kubelet CSR refused", err)
+		return s.refuse(ex.log, RefusedCSR, codes.PermissionDenied, "kubelet CSR refused", err)
 	}
 	cert, err := s.signKubelet(ctx, ex, csr)
 	if err != nil {
@@ -316,11 +372,11 @@ func (s *Server) checkOwner(ctx context.Context, ex *exchange, summary string) e
 	owner, err := s.cfg.Disks.Owner(ctx, ex.diskUUID)
 	switch {
 	case errors.Is(err, ErrDiskUnknown):
-		return s.refuse(ex.log, codes.FailedPrecondition, summary, err)
+		return s.refuse(ex.log, RefusedDiskUnknown, codes.FailedPrecondition, summary, err)
 	case err != nil:
 		return s.fail(ex.log, "looking up disk owner", err)
 	case owner != ex.ek:
-		return s.refuse(ex.log, codes.PermissionDenied, summary, ErrDiskOwnedByOther)
+		return s.refuse(ex.log, RefusedDiskOwner, codes.PermissionDenied, summary, ErrDiskOwnedByOther)
 	}
 	return nil
 }
@@ -344,7 +400,7 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	log = log.With("peer", addr.String())
 	nonce, err := rpc.StreamNonce(ctx)
 	if err != nil {
-		return nil, s.refuse(log, codes.FailedPrecondition, "connection refused", err)
+		return nil, s.refuse(log, RefusedConnection, codes.FailedPrecondition, "connection refused", err)
 	}
 	msg, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
 	if err != nil {
@@ -353,27 +409,27 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	c, err := first(msg)
 	if err != nil {
 		log.Warn("request refused", "reason", err)
-		return nil, err
+		return nil, &refusal{reason: RefusedRequest, st: status.Convert(err)}
 	}
 	disk, err := keys.DiskLabel(c.diskUUID)
 	if err != nil {
-		return nil, s.refuse(log, codes.InvalidArgument, "disk id refused", err)
+		return nil, s.refuse(log, RefusedDiskID, codes.InvalidArgument, "disk id refused", err)
 	}
 	inst, err := s.cfg.Instances.InstanceByAddress(ctx, addr)
 	switch {
 	case errors.Is(err, metadata.ErrNotFound):
-		return nil, s.refuse(log, codes.PermissionDenied, "no instance record for this address", err)
+		return nil, s.refuse(log, RefusedNoInstance, codes.PermissionDenied, "no instance record for this address", err)
 	case err != nil:
 		return nil, s.fail(log, "looking up instance record", err)
 	}
 	log = log.With("peer_node", inst.Name, "peer_role", string(inst.Role))
 	if c.nodeName != inst.Name {
-		return nil, s.refuse(log, codes.PermissionDenied, "address refused", fmt.Errorf(
+		return nil, s.refuse(log, RefusedAddress, codes.PermissionDenied, "address refused", fmt.Errorf(
 			"the connection comes from the address of instance %q, but the node says it is %q: a load balancer in front of the join service must pass the nodes' own source addresses on (docs/agent.md, Limits)",
 			inst.Name, c.nodeName))
 	}
 	if metadata.Role(c.role) != inst.Role {
-		return nil, s.refuse(log, codes.PermissionDenied, "role refused",
+		return nil, s.refuse(log, RefusedRole, codes.PermissionDenied, "role refused",
 			fmt.Errorf("node asked as %q but its instance record says %q", c.role, inst.Role))
 	}
 
@@ -398,7 +454,7 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	}
 	image, err := s.cfg.Policy.Load().Check(inst.Role, result.PCRs, s.cfg.Clock())
 	if err != nil {
-		return nil, s.refuse(log, codes.PermissionDenied, "measurements refused", err)
+		return nil, s.refuse(log, RefusedMeasurements, codes.PermissionDenied, "measurements refused", err)
 	}
 	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: c.diskUUID,
 		log: log.With("image", image, "disk", c.diskUUID)}, nil
@@ -493,24 +549,64 @@ func (s *Server) nodeKeys(disk keys.Label) (diskKey, measurement []byte, err err
 }
 
 // refuse tells the operator the whole reason and the node what it may know: the summary and the reason,
-// which never contains a secret (measurements, names and addresses are not secret).
-func (s *Server) refuse(log *slog.Logger, code codes.Code, summary string, reason error) error {
+// which never contains a secret (measurements, names and addresses are not secret). why is the refusal's
+// reason for the metrics, one of RefusalReasons.
+func (s *Server) refuse(log *slog.Logger, why string, code codes.Code, summary string, reason error) error {
 	log.Warn(summary, "code", code.String(), "reason", reason)
-	return status.Errorf(code, "%s: %v", summary, reason)
+	return &refusal{reason: why, st: status.Newf(code, "%s: %v", summary, reason)}
 }
 
 // fail is an error of the service itself: the node learns only that it may retry.
 func (s *Server) fail(log *slog.Logger, what string, err error) error {
 	log.Error(what, "error", err)
-	return status.Errorf(codes.Unavailable, "join service failed %s; retry later", what)
+	return &failure{st: status.Newf(codes.Unavailable, "join service failed %s; retry later", what)}
 }
 
 func (s *Server) attestErr(log *slog.Logger, err error) error {
 	if errors.Is(err, attest.ErrMalformed) {
-		return s.refuse(log, codes.InvalidArgument, "attestation refused", err)
+		return s.refuse(log, RefusedAttestation, codes.InvalidArgument, "attestation refused", err)
 	}
-	return s.refuse(log, codes.Unauthenticated, "attestation refused", err)
+	return s.refuse(log, RefusedAttestation, codes.Unauthenticated, "attestation refused", err)
 }
+
+// refusal is the status a refused node gets, with the reason the metrics count it under.
+type refusal struct {
+	reason string
+	st     *status.Status
+}
+
+func (r *refusal) Error() string              { return r.st.Err().Error() }
+func (r *refusal) GRPCStatus() *status.Status { return r.st }
+
+// failure is the status of an exchange the service failed.
+type failure struct{ st *status.Status }
+
+func (f *failure) Error() string              { return f.st.Err().Error() }
+func (f *failure) GRPCStatus() *status.Status { return f.st }
+
+// observe counts an exchange of call that started at start and ended with *err.
+func (s *Server) observe(call string, start time.Time, err *error) {
+	took := time.Since(start)
+	var r *refusal
+	var f *failure
+	switch {
+	case *err == nil:
+		s.cfg.Metrics.TicketIssued(call, took)
+	case errors.As(*err, &r):
+		s.cfg.Metrics.TicketRefused(call, r.reason, took)
+	case errors.As(*err, &f):
+		s.cfg.Metrics.ExchangeFailed(call, ErrorInternal, took)
+	default:
+		s.cfg.Metrics.ExchangeFailed(call, ErrorStream, took)
+	}
+}
+
+// noMetrics counts nothing.
+type noMetrics struct{}
+
+func (noMetrics) TicketIssued(string, time.Duration)           {}
+func (noMetrics) TicketRefused(string, string, time.Duration)  {}
+func (noMetrics) ExchangeFailed(string, string, time.Duration) {}
 
 func (s *Server) streamErr(log *slog.Logger, what string, err error) error {
 	if st, ok := status.FromError(err); ok && st.Code() != codes.Unknown {

@@ -27,6 +27,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"maps"
 	"net/http"
 	"net/netip"
@@ -69,6 +71,10 @@ type Host struct {
 	JoinAddr string
 	// InitSecret is the init secret whose hash the nodes' user-data holds.
 	InitSecret []byte
+	// MetricsAddr is host:port of the join service's metrics and health endpoints (agent.yaml metricsListen).
+	MetricsAddr string
+	// AgentLog, if set, receives the storm agents' join client logs, JSON lines.
+	AgentLog io.Writer
 
 	// EC2 and IMDS are what a host of NewEC2Host's join service asks; nil otherwise.
 	EC2  *ec2test.Server
@@ -121,6 +127,7 @@ func newHost(t testing.TB, tpms int, onEC2 bool) *Host {
 		t.Fatal(err)
 	}
 	h.InitSecret = []byte(secret)
+	h.MetricsAddr = fmt.Sprintf("127.0.0.1:%d", kubetest.FreePort(t))
 	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA, InitSecretHash: hash})
 	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
 	if onEC2 {
@@ -323,7 +330,7 @@ func (h *Host) writeServiceNode() {
 		"paths":         map[string]string{"state": paths.State, "kubernetesDir": paths.KubernetesDir, "kubeletDir": paths.KubeletDir},
 		"sourceAddress": "127.0.0.1", "joinListenHost": "127.0.0.1",
 		"ekCABundle": filepath.Join(h.dir, "ek-ca.pem"), "kubeconfig": filepath.Join(h.dir, "admin.conf"),
-		"policyFile": filepath.Join(h.dir, "policy.yaml"),
+		"policyFile": filepath.Join(h.dir, "policy.yaml"), "metricsListen": h.MetricsAddr,
 	}
 	if h.EC2 != nil {
 		// The autoscaling groups come from the node's user-data, as Terraform writes them.
@@ -460,7 +467,12 @@ func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, b
 	dir := filepath.Join(h.dir, "agents", w.Name)
 	disk := &keyRecorder{}
 	a.Disk = newUUID()
+	log := slog.New(slog.DiscardHandler)
+	if h.AgentLog != nil {
+		log = slog.New(slog.NewJSONHandler(h.AgentLog, nil))
+	}
 	jc := joinclient.New(joinclient.Config{
+		Logger:   log,
 		Metadata: h.Metadata(w.Addresses[0]),
 		Prover:   h.prover(i, w),
 		Disk:     disk,

@@ -40,6 +40,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/ec2/types"
 	"golang.org/x/time/rate"
 
+	"github.com/berthlabs/berth/internal/cloud/apicalls"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -94,6 +95,9 @@ type Config struct {
 	// group not listed, has no record.
 	Roles  map[string]metadata.Role
 	Logger *slog.Logger
+	// Calls, if set, counts every request to EC2 by outcome, each of the SDK's retries included; it works
+	// with an API from NewAPI (the count rides on the SDK's middleware) and counts nothing of another.
+	Calls apicalls.Counter
 	// Clock is the time EK cache entries expire by (time.Now if nil).
 	Clock func() time.Time
 
@@ -213,6 +217,9 @@ func New(cfg Config) (*Lookup, error) {
 	}
 	// A copy, so that a caller changing its map later cannot change roles behind the checks above.
 	cfg.Roles = maps.Clone(cfg.Roles)
+	if cfg.Calls != nil {
+		cfg.API = countedAPI{API: cfg.API, count: countAttempts(cfg.Calls)}
+	}
 	log = log.With("subsystem", "ec2instances", "vpc", cfg.VPCID)
 	return &Lookup{
 		cfg:        cfg,

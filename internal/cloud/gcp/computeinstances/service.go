@@ -21,6 +21,8 @@ import (
 	compute "google.golang.org/api/compute/v1"
 	"google.golang.org/api/googleapi"
 	"google.golang.org/api/option"
+
+	"github.com/berthlabs/berth/internal/cloud/apicalls"
 )
 
 // Bounds of every request to Compute Engine.
@@ -61,6 +63,8 @@ type transportConfig struct {
 	maxBackoff     time.Duration
 	maxBody        int64
 	rootCAs        *x509.CertPool // nil: the system's roots
+	// calls, if set, counts every attempt by outcome.
+	calls apicalls.Counter
 }
 
 var defaultTransport = transportConfig{
@@ -75,13 +79,17 @@ var defaultTransport = transportConfig{
 // (https://compute.googleapis.com/compute/v1/): a Private Service Connect endpoint or a test endpoint. It
 // must be https, or http to a loopback address; an endpoint without a path gets the API's /compute/v1/.
 // log receives the retries (Debug) and the requests that stayed throttled (Warn); nil discards them.
+// calls, if set, counts every request by outcome, each retry included: the retries absorb throttling that
+// only the count of throttled attempts then shows.
 //
 // An environment proxy (HTTPS_PROXY) is used, as Google's own clients do: a control-plane node whose only
 // way out is a proxy must still reach the API, and the proxy gains nothing from it, for TLS runs end to end
 // to Google's certificate through it (the proxy sees the host name, not the token or the answers). Plain
 // http goes only to loopback, which Go never sends through a proxy.
-func NewService(ctx context.Context, endpoint string, ts oauth2.TokenSource, log *slog.Logger) (*compute.Service, error) {
-	return newService(ctx, endpoint, ts, log, defaultTransport)
+func NewService(ctx context.Context, endpoint string, ts oauth2.TokenSource, log *slog.Logger, calls apicalls.Counter) (*compute.Service, error) {
+	tc := defaultTransport
+	tc.calls = calls
+	return newService(ctx, endpoint, ts, log, tc)
 }
 
 func newService(ctx context.Context, endpoint string, ts oauth2.TokenSource, log *slog.Logger, tc transportConfig) (*compute.Service, error) {
@@ -123,7 +131,7 @@ func newHTTPClient(ts oauth2.TokenSource, log *slog.Logger, tc transportConfig) 
 			Source: oauth2.ReuseTokenSource(nil, ts),
 			Base: &boundedTransport{limit: tc.maxBody, next: &retryTransport{
 				next: base, log: log.With("subsystem", "compute-api"), timeout: tc.requestTimeout,
-				base: tc.baseBackoff, cap: tc.maxBackoff,
+				base: tc.baseBackoff, cap: tc.maxBackoff, calls: tc.calls,
 			}},
 		},
 	}
@@ -215,6 +223,7 @@ type retryTransport struct {
 	log       *slog.Logger
 	timeout   time.Duration
 	base, cap time.Duration
+	calls     apicalls.Counter
 }
 
 func (t *retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -226,6 +235,9 @@ func (t *retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	for attempt := 1; ; attempt++ {
 		resp, err := t.try(ctx, req)
 		why := t.retryReason(ctx, resp, err)
+		if t.calls != nil {
+			t.calls.Count(attemptOutcome(resp, err, why))
+		}
 		if why == "" || attempt == tries {
 			if why != "" && err == nil {
 				t.log.Warn("Compute Engine request failed after retries", "path", req.URL.Path, "attempts", attempt, "status", resp.StatusCode, "reason", why)
@@ -245,6 +257,20 @@ func (t *retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("Compute Engine %s: waiting to retry (%s): %w", req.URL.Path, why, context.Cause(ctx))
 		}
 	}
+}
+
+// attemptOutcome is what one attempt came to, given retryReason's why: a 429, or a 403 that retryReason
+// found to be a rate limit, is throttled; any other failure, a 404 included, is an error.
+func attemptOutcome(resp *http.Response, err error, why string) apicalls.Outcome {
+	switch {
+	case err != nil:
+		return apicalls.Error
+	case resp.StatusCode == http.StatusTooManyRequests, resp.StatusCode == http.StatusForbidden && why != "":
+		return apicalls.Throttled
+	case resp.StatusCode >= http.StatusBadRequest:
+		return apicalls.Error
+	}
+	return apicalls.OK
 }
 
 // try sends one attempt under its own timeout, which the response's body keeps until it is closed.

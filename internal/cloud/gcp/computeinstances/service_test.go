@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -16,6 +17,7 @@ import (
 	compute "google.golang.org/api/compute/v1"
 	"google.golang.org/api/option"
 
+	"github.com/berthlabs/berth/internal/cloud/apicalls"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances/computetest"
 	"github.com/berthlabs/berth/internal/metadata"
 )
@@ -29,7 +31,7 @@ func TestNewService(t *testing.T) {
 	// The endpoint as the server's root, as the API's base with and without the last slash: each reaches
 	// /compute/v1/ (the server answers nothing else).
 	for _, endpoint := range []string{srv.URL, srv.Endpoint, strings.TrimSuffix(srv.Endpoint, "/")} {
-		svc, err := NewService(t.Context(), endpoint, testTS, testLogger(t))
+		svc, err := NewService(t.Context(), endpoint, testTS, testLogger(t), nil)
 		if err != nil {
 			t.Fatalf("NewService(%q): %v", endpoint, err)
 		}
@@ -62,15 +64,15 @@ func TestNewService(t *testing.T) {
 		{"127.0.0.1:443", ""},
 		{"compute.googleapis.com", "scheme://host"},
 	} {
-		_, err := NewService(t.Context(), tc.endpoint, testTS, nil)
+		_, err := NewService(t.Context(), tc.endpoint, testTS, nil, nil)
 		if err == nil || tc.want != "" && !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("NewService(%q): %v, want an error saying %q", tc.endpoint, err, tc.want)
 		}
 	}
-	if _, err := NewService(t.Context(), "", nil, nil); err == nil || !strings.Contains(err.Error(), "token source") {
+	if _, err := NewService(t.Context(), "", nil, nil, nil); err == nil || !strings.Contains(err.Error(), "token source") {
 		t.Errorf("NewService without a token source: %v", err)
 	}
-	svc, err := NewService(t.Context(), "", testTS, nil)
+	svc, err := NewService(t.Context(), "", testTS, nil, nil)
 	if err != nil || svc.BasePath != "https://compute.googleapis.com/compute/v1/" {
 		t.Errorf("NewService without an endpoint: base %q, %v", svc.BasePath, err)
 	}
@@ -283,5 +285,69 @@ func TestAddressNormalized(t *testing.T) {
 	l := newLookup(t, srv, nil)
 	if _, err := l.InstanceByAddress(t.Context(), netip.MustParseAddr("::ffff:10.0.2.10")); err != nil {
 		t.Errorf("IPv4-mapped address: %v", err)
+	}
+}
+
+// outcomes counts what an apicalls.Counter is told.
+type outcomes struct {
+	mu sync.Mutex
+	n  map[apicalls.Outcome]int
+}
+
+func (o *outcomes) Count(out apicalls.Outcome) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n == nil {
+		o.n = map[apicalls.Outcome]int{}
+	}
+	o.n[out]++
+}
+
+// TestCallsCounted: every attempt is counted, the retried ones included, and throttling (429, a 403 with a
+// rate-limit reason) is told apart from errors (a 403 refusal, a 404, a 5xx).
+func TestCallsCounted(t *testing.T) {
+	answers := []struct {
+		code int
+		body string
+	}{
+		{http.StatusTooManyRequests, `{"error":{"code":429,"errors":[{"reason":"rateLimitExceeded"}]}}`},
+		{http.StatusForbidden, `{"error":{"code":403,"errors":[{"domain":"usageLimits","reason":"rateLimitExceeded"}]}}`},
+		{http.StatusServiceUnavailable, `{"error":{"code":503,"errors":[{"reason":"backendError"}]}}`},
+		{http.StatusOK, `{"kind":"compute#instanceAggregatedList"}`},
+		{http.StatusNotFound, `{"error":{"code":404,"errors":[{"reason":"notFound"}]}}`},
+		{http.StatusForbidden, `{"error":{"code":403,"errors":[{"domain":"global","reason":"forbidden"}]}}`},
+	}
+	var mu sync.Mutex
+	next := 0
+	endpoint := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		a := answers[min(next, len(answers)-1)]
+		next++
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(a.code)
+		_, _ = w.Write([]byte(a.body))
+	}))
+	t.Cleanup(endpoint.Close)
+	counted := &outcomes{}
+	tc := fastTransport
+	tc.calls = counted
+	svc, err := newService(t.Context(), endpoint.URL, testTS, testLogger(t), tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One call, four attempts: throttled twice, a 503, then the answer.
+	if _, err := svc.Instances.AggregatedList(project).Context(t.Context()).Do(); err != nil {
+		t.Fatalf("aggregatedList after two throttled attempts and a 503: %v", err)
+	}
+	// A 404 and a refusal are final answers, each one attempt.
+	for range 2 {
+		if _, err := svc.Instances.GetShieldedInstanceIdentity(project, zoneB, "gone").Context(t.Context()).Do(); err == nil {
+			t.Fatal("getShieldedInstanceIdentity succeeded against a 404 or a 403")
+		}
+	}
+	want := map[apicalls.Outcome]int{apicalls.Throttled: 2, apicalls.Error: 3, apicalls.OK: 1}
+	if !maps.Equal(counted.n, want) {
+		t.Errorf("attempts counted %v, want %v", counted.n, want)
 	}
 }

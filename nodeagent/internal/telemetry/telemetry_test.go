@@ -1,0 +1,280 @@
+package telemetry
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/berthlabs/berth/internal/cloud/apicalls"
+	"github.com/berthlabs/berth/internal/rpc"
+)
+
+var testLabels = Labels{
+	JoinCalls: []string{"join", "rejoin"}, JoinRefusals: []string{"measurements", "role"},
+	JoinErrors: []string{"internal", "stream"}, InitResults: []string{"initialized", "refused"},
+}
+
+// series is every sample of the registry as "name{label=value,...}" → value.
+func series(t *testing.T, m *Metrics) map[string]float64 {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		if !strings.HasPrefix(f.GetName(), "berth_") {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			var labels []string
+			for _, l := range s.GetLabel() {
+				labels = append(labels, l.GetName()+"="+l.GetValue())
+			}
+			out[f.GetName()+"{"+strings.Join(labels, ",")+"}"] = value(s)
+		}
+	}
+	return out
+}
+
+func value(s *dto.Metric) float64 {
+	switch {
+	case s.Counter != nil:
+		return s.Counter.GetValue()
+	case s.Gauge != nil:
+		return s.Gauge.GetValue()
+	case s.Histogram != nil:
+		return float64(s.Histogram.GetSampleCount())
+	}
+	return 0
+}
+
+// TestLabelsStayFixed: every series of the fixed lists exists at zero from the start, and a value outside a
+// list (what a peer could make up) lands in "other" instead of making a series of its own.
+func TestLabelsStayFixed(t *testing.T) {
+	m := New(testLabels)
+	before := series(t, m)
+	for _, s := range []string{
+		"berth_join_tickets_issued_total{call=rejoin}", "berth_join_tickets_refused_total{call=join,reason=role}",
+		"berth_join_exchange_errors_total{call=join,kind=stream}", "berth_init_exchanges_total{result=refused}",
+		"berth_api_requests_total{api=ec2,outcome=throttled}", "berth_join_exchange_duration_seconds{call=join,result=issued}",
+	} {
+		if v, ok := before[s]; !ok || v != 0 {
+			t.Errorf("%s = %v (present %v), want 0 from the start", s, v, ok)
+		}
+	}
+	m.TicketIssued("join", time.Millisecond)
+	m.TicketRefused("join", "measurements", time.Millisecond)
+	m.TicketRefused("join", "node-7\"}evil", time.Millisecond)
+	m.TicketRefused("made-up-call", "role", time.Millisecond)
+	m.ExchangeFailed("rejoin", "internal", time.Millisecond)
+	m.InitExchange("initialized", time.Second)
+	m.InitExchange("whatever", time.Second)
+	m.Calls(APIKubernetes).Count(apicalls.Throttled)
+	m.Calls("s3").Count("strange")
+	after := series(t, m)
+	if len(after) != len(before) {
+		t.Errorf("%d series after odd label values, %d before: a value outside the lists made a series", len(after), len(before))
+	}
+	want := map[string]float64{
+		"berth_join_tickets_issued_total{call=join}":                                  1,
+		"berth_join_tickets_refused_total{call=join,reason=measurements}":             1,
+		"berth_join_tickets_refused_total{call=join,reason=other}":                    1,
+		"berth_join_tickets_refused_total{call=other,reason=role}":                    1,
+		"berth_join_exchange_errors_total{call=rejoin,kind=internal}":                 1,
+		"berth_join_exchange_duration_seconds{call=join,result=refused}":              2,
+		"berth_join_exchange_duration_seconds{call=rejoin,result=error}":              1,
+		"berth_init_exchanges_total{result=initialized}":                              1,
+		"berth_init_exchanges_total{result=other}":                                    1,
+		"berth_api_requests_total{api=kubernetes,outcome=throttled}":                  1,
+		"berth_api_requests_total{api=other,outcome=error}":                           1,
+		"berth_join_connections_refused_total{reason=" + rpc.RefusedNotAdmitted + "}": 0,
+	}
+	for s, v := range want {
+		if after[s] != v {
+			t.Errorf("%s = %v, want %v", s, after[s], v)
+		}
+	}
+}
+
+type fakeAdmission struct {
+	refused                 map[string]int
+	serving, waiting, slots int
+}
+
+func (f fakeAdmission) Refused() map[string]int { return f.refused }
+func (f fakeAdmission) Connections() (int, int, int) {
+	return f.serving, f.waiting, f.slots
+}
+
+// TestAdmissionRead: the connection metrics are the listener's counts at the scrape, an unknown refusal
+// reason summed into "other".
+func TestAdmissionRead(t *testing.T) {
+	m := New(testLabels)
+	m.WatchAdmission(fakeAdmission{refused: map[string]int{rpc.RefusedNotAdmitted: 7, rpc.RefusedAddressLimit: 2, "new_reason": 3},
+		serving: 5, waiting: 9, slots: 64})
+	got := series(t, m)
+	for s, v := range map[string]float64{
+		"berth_join_connections_refused_total{reason=not_admitted}":  7,
+		"berth_join_connections_refused_total{reason=address_limit}": 2,
+		"berth_join_connections_refused_total{reason=other}":         3,
+		"berth_join_connections{state=serving}":                      5,
+		"berth_join_connections{state=waiting}":                      9,
+		"berth_join_connection_slots{}":                              64,
+	} {
+		if got[s] != v {
+			t.Errorf("%s = %v, want %v", s, got[s], v)
+		}
+	}
+}
+
+// TestPolicyVersionOneSeries: a new policy replaces the version series instead of adding one.
+func TestPolicyVersionOneSeries(t *testing.T) {
+	m := New(testLabels)
+	m.PolicyLoaded(2, "aaaaaaaaaaaa", time.Unix(100, 0))
+	m.PolicyLoaded(3, "bbbbbbbbbbbb", time.Unix(200, 0))
+	got := series(t, m)
+	if _, ok := got["berth_join_policy_info{version=aaaaaaaaaaaa}"]; ok {
+		t.Error("the old policy's version series is still there")
+	}
+	for s, v := range map[string]float64{
+		"berth_join_policy_info{version=bbbbbbbbbbbb}": 1, "berth_join_policy_images{}": 3,
+		"berth_join_policy_loads_total{}": 2, "berth_join_policy_loaded{}": 1, "berth_join_policy_last_load_timestamp_seconds{}": 200,
+	} {
+		if got[s] != v {
+			t.Errorf("%s = %v, want %v", s, got[s], v)
+		}
+	}
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(body)
+}
+
+// TestReadiness: /readyz is 503 before any check is added (no join service yet) and while a check fails,
+// naming it, and 200 once all pass; /healthz is 200 throughout; /metrics serves the registry.
+func TestReadiness(t *testing.T) {
+	m := New(testLabels)
+	s := NewServer(m, nil)
+	srv := httptest.NewServer(s.Handler())
+	t.Cleanup(srv.Close)
+	if code, _ := get(t, srv.URL+"/readyz"); code != http.StatusServiceUnavailable {
+		t.Errorf("/readyz without checks: %d, want 503", code)
+	}
+	policyErr := errors.New("no join policy loaded yet")
+	s.AddCheck("policy", func() error { return policyErr })
+	s.AddCheck("kubernetes-api", func() error { return nil })
+	if code, body := get(t, srv.URL+"/readyz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "policy: no join policy") {
+		t.Errorf("/readyz with a failing check: %d %q, want 503 naming the policy", code, body)
+	}
+	policyErr = nil
+	if code, body := get(t, srv.URL+"/readyz"); code != http.StatusOK {
+		t.Errorf("/readyz with every check passing: %d %q", code, body)
+	}
+	if code, _ := get(t, srv.URL+"/healthz"); code != http.StatusOK {
+		t.Errorf("/healthz: %d", code)
+	}
+	if code, body := get(t, srv.URL+"/metrics"); code != http.StatusOK || !strings.Contains(body, "berth_join_tickets_issued_total") {
+		t.Errorf("/metrics: %d, body without berth_join_tickets_issued_total", code)
+	}
+	resp, err := http.Post(srv.URL+"/metrics", "text/plain", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("POST /metrics: %d, want 405", resp.StatusCode)
+	}
+}
+
+// TestServeBounds: a request whose headers exceed the bound is refused, and Serve returns once its context
+// ends.
+func TestServeBounds(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- NewServer(New(testLabels), nil).Serve(ctx, lis) }()
+	req, err := http.NewRequest(http.MethodGet, "http://"+lis.Addr().String()+"/healthz", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-Filler", strings.Repeat("a", 2*maxHeaderBytes))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestHeaderFieldsTooLarge {
+		t.Errorf("a request with %d bytes of headers: %d, want 431", 2*maxHeaderBytes, resp.StatusCode)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Serve after its context ended: %v", err)
+	}
+}
+
+// TestProbe: a probe keeps the last result of its check, which runs in the background.
+func TestProbe(t *testing.T) {
+	results := make(chan error)
+	told := make(chan error)
+	p := StartProbe(t.Context(), time.Millisecond, time.Second, func(context.Context) error { return <-results },
+		func(err error) { told <- err })
+	if p.Err() == nil {
+		t.Error("a probe that has not run yet passes")
+	}
+	down := errors.New("connection refused")
+	results <- down
+	<-told
+	if !errors.Is(p.Err(), down) {
+		t.Errorf("after a failed check: %v", p.Err())
+	}
+	results <- nil
+	<-told
+	if p.Err() != nil {
+		t.Errorf("after a passing check: %v", p.Err())
+	}
+}
+
+type countedOutcomes map[apicalls.Outcome]int
+
+func (c countedOutcomes) Count(o apicalls.Outcome) { c[o]++ }
+
+// TestKubernetesRequests: client-go's request results reach the counter set last, classified.
+func TestKubernetesRequests(t *testing.T) {
+	first, second := countedOutcomes{}, countedOutcomes{}
+	CountKubernetesRequests(first)
+	CountKubernetesRequests(second)
+	for _, code := range []string{"200", "201", "404", "409", "429", "500", "403", "<error>"} {
+		kubeResult{}.Increment(t.Context(), code, "GET", "api")
+	}
+	if len(first) != 0 {
+		t.Errorf("the replaced counter got %v", first)
+	}
+	want := countedOutcomes{apicalls.OK: 4, apicalls.Throttled: 1, apicalls.Error: 3}
+	for o, n := range want {
+		if second[o] != n {
+			t.Errorf("%s: %d, want %d (all: %v)", o, second[o], n, second)
+		}
+	}
+}
