@@ -405,12 +405,17 @@ func (n *Node) startContainerd(ctx context.Context, images []string) error {
 	return nil
 }
 
-// The image's unit restarts a failed agent (Restart=on-failure, RestartSec=5s); so does the lab, up to
-// agentRestarts times in one boot, after which it reports the agent gone where systemd would go on trying.
+// The image's unit restarts a failed agent (Restart=on-failure, RestartSec=5s) unless it exited for its
+// command line or its configuration (RestartPreventExitStatus=2 3); so does the lab, up to agentRestarts times
+// in one boot, after which it reports the agent gone where systemd would go on trying.
 const (
 	agentRestartSec = 5 * time.Second
 	agentRestarts   = 3
 )
+
+// agentNoRestart are the unit's RestartPreventExitStatus: berth-agent's exit codes for a wrong command line
+// and a wrong configuration.
+var agentNoRestart = []int{2, 3}
 
 // boot starts berth-agent as the image's systemd unit would.
 func (n *Node) boot() error {
@@ -456,7 +461,9 @@ func (n *Node) startAgentLocked() (<-chan error, error) {
 func (n *Node) superviseAgent(gen int, exit <-chan error, gone chan<- error) {
 	for restarts := 0; ; restarts++ {
 		err := <-exit
-		if err == nil || restarts == agentRestarts || !n.stillOn(gen) {
+		var exitErr *exec.ExitError
+		final := errors.As(err, &exitErr) && slices.Contains(agentNoRestart, exitErr.ExitCode())
+		if err == nil || final || restarts == agentRestarts || !n.stillOn(gen) {
 			gone <- fmt.Errorf("berth-agent exited: %v", err)
 			return
 		}

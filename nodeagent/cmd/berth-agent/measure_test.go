@@ -79,8 +79,8 @@ func TestMeasureErrors(t *testing.T) {
 		code   int
 		stderr string
 	}{
-		{"no --uki", []string{"measure"}, 2, "usage: berth-agent measure --uki FILE"},
-		{"extra argument", []string{"measure", "--uki", notUKI, "more"}, 2, "usage: berth-agent measure --uki FILE"},
+		{"no --uki", []string{"measure"}, 2, "berth-agent measure: --uki is required\nUsage: berth-agent measure --uki FILE"},
+		{"extra argument", []string{"measure", "--uki", notUKI, "more"}, 2, "berth-agent measure: unexpected argument \"more\"\nUsage: berth-agent measure --uki FILE"},
 		{"unknown flag", []string{"measure", "--config", "x"}, 2, "flag provided but not defined: -config"},
 		{"missing file", []string{"measure", "--uki", filepath.Join(t.TempDir(), "absent.efi")}, 1, "opening the UKI"},
 		{"not a UKI", []string{"measure", "--uki", notUKI}, 1, "no MZ signature"},

@@ -28,8 +28,8 @@ const maxInputFile = 4 << 20
 // its state disk, checks its measurements, and sends it the disk key derived from the root key. It needs
 // no agent configuration: it runs on the operator's machine.
 func runRecover(args []string, stdout, stderr io.Writer) int {
+	const synopsis = "berth-agent recover --node HOST:PORT --root-key-file FILE|- --ek-ca-bundle FILE (--policy FILE | --manifest FILE --image NAME) [--expect-name NAME]"
 	fs := flag.NewFlagSet("berth-agent recover", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	node := fs.String("node", "", "the node's recovery server, host:port (port 7451 unless the node's initListen says otherwise)")
 	rootKeyFile := fs.String("root-key-file", "", "file holding the cluster's root key (berth_secrets' root_key) in base64; - reads standard input")
 	policyFile := fs.String("policy", "", "the join policy (YAML, as berth_join_policy writes it) the node's image must be in")
@@ -38,17 +38,17 @@ func runRecover(args []string, stdout, stderr io.Writer) int {
 	ekCA := fs.String("ek-ca-bundle", "", "PEM bundle of the EK CAs of the node's TPM vendor")
 	expectName := fs.String("expect-name", "", "refuse unless the node names itself so (recommended)")
 	timeout := fs.Duration("timeout", recoveryclient.DefaultTimeout, "bound of the whole recovery")
-	if err := fs.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(fs, synopsis, args, stdout, stderr); !ok {
+		return code
 	}
-	if *node == "" || *rootKeyFile == "" || *ekCA == "" || (*policyFile == "") == (*manifestFile == "") || fs.NArg() != 0 {
-		fmt.Fprintln(stderr, "berth-agent recover: usage: berth-agent recover --node HOST:PORT --root-key-file FILE|- --ek-ca-bundle FILE (--policy FILE | --manifest FILE --image NAME) [--expect-name NAME]")
-		return 2
+	if *node == "" || *rootKeyFile == "" || *ekCA == "" || (*policyFile == "") == (*manifestFile == "") {
+		fmt.Fprintf(stderr, "berth-agent recover: --node, --root-key-file, --ek-ca-bundle and exactly one of --policy and --manifest are required\nUsage: %s\n", synopsis)
+		return exitUsage
 	}
 	cfg, err := recoverConfig(*node, *rootKeyFile, *policyFile, *manifestFile, *imageName, *ekCA, *timeout)
 	if err != nil {
 		fmt.Fprintf(stderr, "berth-agent recover: %v\n", err)
-		return 1
+		return exitFailure
 	}
 	cfg.Busy = func(attempt int, wait time.Duration) {
 		fmt.Fprintf(stderr, "the node is busy with another exchange; asking again in %s (attempt %d)\n", wait, attempt)
@@ -65,10 +65,10 @@ func runRecover(args []string, stdout, stderr io.Writer) int {
 	n, err := recoveryclient.Recover(ctx, cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "berth-agent recover: %v\n", err)
-		return 1
+		return exitFailure
 	}
 	fmt.Fprintf(stdout, "recovered: node %q unlocked its state disk %s with the key of this root key\n", n.Name, n.Disk)
-	return 0
+	return exitOK
 }
 
 func recoverConfig(node, rootKeyFile, policyFile, manifestFile, imageName, ekCA string, timeout time.Duration) (recoveryclient.Config, error) {

@@ -4,15 +4,17 @@
 package agent
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
+	"net"
+	"net/netip"
 	"net/url"
 	"os"
 	"slices"
+	"strings"
 	"time"
-
-	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/metadata"
@@ -93,6 +95,10 @@ type Config struct {
 	// LocalUnlockRefresh is how often a sealing worker asks the join service for the current policy, to
 	// seal again when it changed; DefaultLocalUnlockRefresh if zero. Control-plane nodes watch the policy.
 	LocalUnlockRefresh Duration `json:"localUnlockRefresh,omitempty"`
+	// MetricsListen, if set, is where the join service and the init server serve their Prometheus metrics,
+	// /healthz and /readyz, in plain HTTP (docs/metrics.md). Off unless set: the port answers anyone who
+	// reaches it, so an operator opens it on the address a load balancer and a Prometheus can reach.
+	MetricsListen string `json:"metricsListen,omitempty"`
 }
 
 // DefaultLocalUnlockRefresh is how often a sealing worker asks for the current policy.
@@ -209,39 +215,57 @@ type KubeletConfig struct {
 // Duration reads "5s"-style durations from the configuration file.
 type Duration struct{ time.Duration }
 
-// UnmarshalJSON implements json.Unmarshaler.
+// UnmarshalJSON implements json.Unmarshaler. Its error is what the configuration's message shows after the
+// field's name, so it says what a duration looks like: `retryMax: 5` most likely meant seconds.
 func (d *Duration) UnmarshalJSON(b []byte) error {
 	var s string
-	if err := yaml.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("duration: %w", err)
+	if json.Unmarshal(b, &s) == nil {
+		if v, err := time.ParseDuration(s); err == nil {
+			d.Duration = v
+			return nil
+		}
 	}
-	v, err := time.ParseDuration(s)
-	if err != nil {
-		return fmt.Errorf("duration: %w", err)
-	}
-	d.Duration = v
-	return nil
+	return fmt.Errorf("a duration such as 5s or 1m30s, not %s", b)
 }
 
 // MarshalJSON implements json.Marshaler.
 func (d Duration) MarshalJSON() ([]byte, error) { return []byte(`"` + d.String() + `"`), nil }
 
-// LoadConfig reads a configuration file and fills in defaults.
+// LoadConfig reads a configuration file and fills in defaults. Its errors name the file and, one problem a
+// line, every field that is wrong: those of the YAML's shape (unknown keys, values of the wrong type) with
+// their line, or else those Validate finds; a field that did not parse would only add misleading
+// complaints about its absence.
 func LoadConfig(path string) (*Config, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("reading agent configuration: %w", err)
 	}
 	var c Config
-	if err := yaml.UnmarshalStrict(data, &c); err != nil {
-		return nil, fmt.Errorf("parsing agent configuration %s: %w", path, err)
+	if err := decodeYAML(data, &c); err != nil {
+		return nil, &fileError{"parsing agent configuration " + path, err}
 	}
 	c.Defaults()
 	if err := c.Validate(); err != nil {
-		return nil, fmt.Errorf("agent configuration %s: %w", path, err)
+		return nil, &fileError{"agent configuration " + path, err}
 	}
 	return &c, nil
 }
+
+// fileError is the problems of a configuration file under a heading naming it: on the heading's line if
+// there is one, else one an indented line.
+type fileError struct {
+	heading string
+	err     error
+}
+
+func (e *fileError) Error() string {
+	if j, ok := e.err.(interface{ Unwrap() []error }); ok && len(j.Unwrap()) > 1 {
+		return e.heading + ":\n  " + strings.ReplaceAll(e.err.Error(), "\n", "\n  ")
+	}
+	return e.heading + ": " + e.err.Error()
+}
+
+func (e *fileError) Unwrap() error { return e.err }
 
 // Defaults fills in what a real node uses.
 func (c *Config) Defaults() {
@@ -271,7 +295,7 @@ func (c *Config) Defaults() {
 	}
 }
 
-// Validate says what is missing.
+// Validate says what is missing or wrong, every problem at once.
 func (c *Config) Validate() error {
 	var errs []error
 	sources := 0
@@ -289,6 +313,11 @@ func (c *Config) Validate() error {
 	if c.GCP != nil {
 		errs = append(errs, c.GCP.validate()...)
 	}
+	if c.MetricsListen != "" {
+		if _, port, err := net.SplitHostPort(c.MetricsListen); err != nil || port == "" {
+			errs = append(errs, fmt.Errorf("metricsListen: %q is not host:port (such as 0.0.0.0:9452)", c.MetricsListen))
+		}
+	}
 	if c.StateDisk == "" {
 		errs = append(errs, errors.New("stateDisk is required"))
 	}
@@ -298,5 +327,29 @@ func (c *Config) Validate() error {
 	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
 		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
 	}
-	return errors.Join(errs...)
+	if c.SourceAddress != "" {
+		if _, err := netip.ParseAddr(c.SourceAddress); err != nil {
+			errs = append(errs, fmt.Errorf("sourceAddress: %q is not an IP address", c.SourceAddress))
+		}
+	}
+	return errors.Join(append(errs, checkPCRs(c.PCRs)...)...)
+}
+
+// maxPCR is the highest PCR index of a TPM 2.0 (PC Client Platform Firmware Profile: 24 PCRs per bank).
+const maxPCR = 23
+
+// checkPCRs refuses what a TPM would only refuse at the first quote, long after boot started.
+func checkPCRs(pcrs []int) []error {
+	var errs []error
+	seen := make(map[int]bool, len(pcrs))
+	for _, pcr := range pcrs {
+		switch {
+		case pcr < 0 || pcr > maxPCR:
+			errs = append(errs, fmt.Errorf("pcrs: %d is not a PCR index (0 to %d)", pcr, maxPCR))
+		case seen[pcr]:
+			errs = append(errs, fmt.Errorf("pcrs: %d is listed twice", pcr))
+		}
+		seen[pcr] = true
+	}
+	return errs
 }

@@ -123,6 +123,32 @@ func TestLoadConfigDurations(t *testing.T) {
 	}
 }
 
+// TestLoadConfigValueForms: the exact matching of keys keeps what sigs.k8s.io/yaml accepted in values:
+// numbers where text is wanted, YAML 1.1's yes for a bool, null for a field left out, anchors.
+func TestLoadConfigValueForms(t *testing.T) {
+	c, err := LoadConfig(writeConfig(t, minimalConfig+`
+retryMax: ~
+tpm: &dev /dev/tpm0
+ekCABundle: *dev
+pcrs: [0x7, 4]
+kubelet:
+  run: yes
+  extraArgs:
+    max-pods: 110
+    v: 2
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.Kubelet.ExtraArgs; len(got) != 2 || got["max-pods"] != "110" || got["v"] != "2" {
+		t.Errorf("kubelet.extraArgs %v, want max-pods 110 and v 2 as text", got)
+	}
+	if !c.Kubelet.Run || c.RetryMax.Duration != 0 || c.TPM != "/dev/tpm0" || c.EKCABundle != "/dev/tpm0" ||
+		len(c.PCRs) != 2 || c.PCRs[0] != 7 {
+		t.Errorf("kubelet.run %v, retryMax %v, tpm %q, ekCABundle %q, pcrs %v", c.Kubelet.Run, c.RetryMax, c.TPM, c.EKCABundle, c.PCRs)
+	}
+}
+
 func TestDurationRoundTrip(t *testing.T) {
 	d := Duration{90 * time.Second}
 	b, err := json.Marshal(d)
@@ -174,6 +200,34 @@ func TestLoadConfigRefusals(t *testing.T) {
 			want: []string{"paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"}},
 		{name: "not YAML", content: "metadataURL: [\n", want: []string{"parsing agent configuration"}},
 		{name: "wrong type", content: minimalConfig + "pcrs: seven\n", want: []string{"parsing agent configuration"}},
+		// encoding/json, under sigs.k8s.io/yaml, took any case: statedisk set stateDisk.
+		{name: "key of another case", content: "metadataURL: http://m\nstatedisk: /dev/vdb\n",
+			want: []string{`line 2: unknown field "statedisk" (keys are case-sensitive: did you mean "stateDisk"?)`}},
+		{name: "nested key of another case", content: "stateDisk: /dev/vdb\naws:\n  autoScalingGroups:\n    berth-workers: worker\n",
+			want: []string{`line 3: aws: unknown field "autoScalingGroups" (keys are case-sensitive: did you mean "autoscalingGroups"?)`}},
+		{name: "key of another case in a pointer's struct", content: minimalConfig + "cfssl:\n  URL: http://c\n",
+			want: []string{`line 4: cfssl: unknown field "URL" (keys are case-sensitive: did you mean "url"?)`}},
+		{name: "duration without a unit", content: minimalConfig + "retryMax: 5\n",
+			want: []string{"line 3: retryMax: a duration such as 5s or 1m30s, not 5"}},
+		{name: "key set twice", content: minimalConfig + "tpm: /dev/tpm0\ntpm: /dev/tpmrm0\n",
+			want: []string{"line 4: tpm: set twice (first on line 3)"}},
+		{name: "list item of the wrong type", content: minimalConfig + "pcrs: [0, seven]\n",
+			want: []string{`line 3: pcrs[1]: an integer, not "seven"`}},
+		{name: "map value of the wrong type", content: minimalConfig + "aws:\n  autoscalingGroups:\n    workers: [worker]\n",
+			want: []string{`line 5: aws.autoscalingGroups["workers"]: a string, not a list`}},
+		{name: "bool of the wrong type", content: minimalConfig + "localUnlock: sometimes\n",
+			want: []string{`line 3: localUnlock: true or false, not "sometimes"`}},
+		{name: "not a mapping", content: "- stateDisk: /dev/vdb\n", want: []string{"line 1: top level: a mapping of fields, not a list"}},
+		{name: "every problem of the YAML at once", content: "metadataURL: http://m\nstatedisk: /dev/vdb\nretryMax: 5\npaths: /p\n",
+			want: []string{"parsing agent configuration " + "PATH" + ":\n  line 2: unknown field \"statedisk\"", "\n  line 3: retryMax: a duration",
+				"\n  line 4: paths: a mapping of fields, not \"/p\""}},
+		{name: "PCR out of range", content: minimalConfig + "pcrs: [24]\n", want: []string{"pcrs: 24 is not a PCR index (0 to 23)"}},
+		{name: "PCR negative and PCR twice", content: minimalConfig + "pcrs: [-1, 7, 4, 7]\n",
+			want: []string{"pcrs: -1 is not a PCR index (0 to 23)", "pcrs: 7 is listed twice"}, notWant: []string{"pcrs: 4"}},
+		{name: "source address not an address", content: minimalConfig + "sourceAddress: eth0\n",
+			want: []string{`sourceAddress: "eth0" is not an IP address`}},
+		{name: "every validation problem at once", content: "pcrs: [24]\n",
+			want: []string{"agent configuration " + "PATH" + ":\n  set exactly one of metadataURL", "\n  stateDisk is required", "\n  pcrs: 24 is not a PCR index"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -186,7 +240,7 @@ func TestLoadConfigRefusals(t *testing.T) {
 				t.Errorf("error %q does not name the file", err)
 			}
 			for _, w := range tt.want {
-				if !strings.Contains(err.Error(), w) {
+				if w = strings.ReplaceAll(w, "PATH", path); !strings.Contains(err.Error(), w) {
 					t.Errorf("error %q does not contain %q", err, w)
 				}
 			}

@@ -10,7 +10,6 @@ import (
 	"os"
 
 	"k8s.io/client-go/kubernetes"
-	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/clustersecrets"
@@ -80,14 +79,14 @@ func LoadServiceConfig(path string) (*ServiceConfig, error) {
 		return nil, fmt.Errorf("reading join service configuration: %w", err)
 	}
 	var c ServiceConfig
-	if err := yaml.UnmarshalStrict(data, &c); err != nil {
-		return nil, fmt.Errorf("parsing join service configuration %s: %w", path, err)
+	if err := decodeYAML(data, &c); err != nil {
+		return nil, &fileError{"parsing join service configuration " + path, err}
 	}
 	if c.PolicyConfigMap == "" {
 		c.PolicyConfigMap = "berth-join-policy"
 	}
 	if err := c.Validate(); err != nil {
-		return nil, fmt.Errorf("join service configuration %s: %w", path, err)
+		return nil, &fileError{"join service configuration " + path, err}
 	}
 	return &c, nil
 }

@@ -53,6 +53,8 @@ func TestLoadServiceConfigRefusals(t *testing.T) {
 			"kubernetesCA is required", "rootKeyFile is required", "joinCACertificate is required", "ekCABundle is required",
 			"set exactly one of inventoryFile and metadataURL", "set exactly one of cfssl and kubernetesCAKey"}},
 		{"unknown field", validServiceConfig + "bootstrapToken: x\n", []string{`unknown field "bootstrapToken"`}},
+		// encoding/json, under sigs.k8s.io/yaml, took any case: policyfile set policyFile.
+		{"key in another case", validServiceConfig + "policyfile: /etc/berth/policy.json\n", []string{"policyfile", "policyFile"}},
 		{"listen without port", strings.Replace(validServiceConfig, "listen: 10.0.0.5:7450", "listen: 10.0.0.5", 1), []string{`listen "10.0.0.5" is not ip:port`}},
 		{"both signers", validServiceConfig + "kubernetesCAKey: /etc/berth/ca.key\n", []string{"set exactly one of cfssl and kubernetesCAKey"}},
 		{"both record sources", validServiceConfig + "metadataURL: http://10.0.0.5:7400\n", []string{"set exactly one of inventoryFile and metadataURL"}},

@@ -14,6 +14,8 @@ import (
 
 // Status is what `berth-agent status` reports: what this node is, and why.
 type Status struct {
+	// State is the answer in one word, for scripts: StateMember, StateWillJoin, StateBlocked or StateUnknown.
+	State      string             `json:"state"`
 	Node       *metadata.Instance `json:"node,omitempty"`
 	NodeError  string             `json:"nodeError,omitempty"`
 	Disk       string             `json:"disk"`
@@ -23,6 +25,20 @@ type Status struct {
 	JoinCAPin  string             `json:"joinCAPin,omitempty"`
 	InitServer bool               `json:"initServer"`
 }
+
+// The states of a node, as status reports them.
+const (
+	// StateMember: the node's membership record is on its state disk.
+	StateMember = "member"
+	// StateWillJoin: not a member (or not since this boot): the next boot joins, initializes or rejoins.
+	StateWillJoin = "will-join"
+	// StateBlocked: the next boot cannot join as the node is: its state disk is a volume Berth did not make,
+	// which boot refuses to overwrite.
+	StateBlocked = "blocked"
+	// StateUnknown: the metadata, the state disk or the membership record could not be read, so nothing can
+	// be said of the next boot.
+	StateUnknown = "unknown"
+)
 
 // Status inspects the node without changing anything; it never fails, it reports.
 func (a *Agent) Status(ctx context.Context) *Status {
@@ -34,44 +50,71 @@ func (a *Agent) Status(ctx context.Context) *Status {
 		s.JoinCAPin = self.UserData.JoinCAPin
 		s.InitServer = self.Instance.Role == metadata.RoleControlPlane && self.UserData.InitSecretHash != ""
 	}
-	s.Disk = a.diskState(ctx, s)
+	formatted, label, diskErr := a.diskState(ctx, s)
 	member, err := nodestate.Read(a.cfg.Paths.State)
 	switch {
 	case err == nil:
-		s.Member = member
+		s.State, s.Member = StateMember, member
 		s.Summary = fmt.Sprintf("member of cluster %s as %s %q since %s (via %s)", member.ClusterID, member.Role,
 			member.NodeName, member.Since.Format("2006-01-02 15:04:05Z07:00"), member.Via)
-	case errors.Is(err, nodestate.ErrNoState) && s.Disk == "keyed":
+	case !errors.Is(err, nodestate.ErrNoState):
+		s.State = StateUnknown
+		s.Summary = "cannot tell: the node's membership record is unreadable: " + err.Error()
+	// Whether the next boot joins depends on the disk (keyed: rejoin, foreign: refused) and on the
+	// metadata, without which boot cannot start. A foreign disk blocks whatever the metadata says: it needs
+	// an operator, where unreadable metadata may only be late.
+	case formatted && diskErr == nil && label != statedisk.LabelKeyed && label != statedisk.LabelFresh:
+		s.State = StateBlocked
+		s.Summary = fmt.Sprintf("the next boot refuses the state disk %s: it is a LUKS volume labelled %q, which Berth did not make and will not overwrite", a.cfg.StateDisk, label)
+	case diskErr != nil || s.NodeError != "":
+		var unread []string
+		if s.NodeError != "" {
+			unread = append(unread, "the instance metadata is unreadable ("+s.NodeError+")")
+		}
+		if diskErr != nil {
+			unread = append(unread, fmt.Sprintf("the state disk %s is unreadable (%v)", a.cfg.StateDisk, diskErr))
+		}
+		s.State = StateUnknown
+		s.Summary = "cannot tell whether the next boot joins: " + strings.Join(unread, "; ")
+	case label == statedisk.LabelKeyed:
+		s.State = StateWillJoin
 		s.Summary = "joined before; the state disk is locked until a rejoin ticket unlocks it at boot"
-	case errors.Is(err, nodestate.ErrNoState):
-		s.Summary = "not a cluster member yet: the next boot joins (or, on a control-plane node with an init secret, waits for init)"
 	default:
-		s.Summary = "node state unreadable: " + err.Error()
+		s.State = StateWillJoin
+		s.Summary = "not a cluster member yet: the next boot joins (or, on a control-plane node with an init secret, waits for init)"
 	}
 	return s
 }
 
-func (a *Agent) diskState(ctx context.Context, s *Status) string {
-	isLUKS, err := a.vol.IsLUKS(ctx)
-	if err != nil {
-		return "unreadable: " + err.Error()
+// diskState sets s.Disk and says whether the state disk is formatted, with which LUKS label, or why it
+// could not be read.
+func (a *Agent) diskState(ctx context.Context, s *Status) (formatted bool, label string, err error) {
+	formatted, label, err = a.diskLabel(ctx, s)
+	switch {
+	case err != nil:
+		s.Disk = "unreadable: " + err.Error()
+	case !formatted:
+		s.Disk = "not formatted"
+	case label == statedisk.LabelKeyed:
+		s.Disk = "keyed"
+	case label == statedisk.LabelFresh:
+		s.Disk = "fresh (formatted, never keyed)"
+	default:
+		s.Disk = fmt.Sprintf("foreign LUKS volume labelled %q", label)
 	}
-	if !isLUKS {
-		return "not formatted"
+	return formatted, label, err
+}
+
+func (a *Agent) diskLabel(ctx context.Context, s *Status) (bool, string, error) {
+	isLUKS, err := a.vol.IsLUKS(ctx)
+	if err != nil || !isLUKS {
+		return false, "", err
 	}
 	if id, err := a.vol.UUID(ctx); err == nil {
 		s.DiskUUID = id
 	}
-	switch label, err := a.vol.Label(ctx); {
-	case err != nil:
-		return "unreadable: " + err.Error()
-	case label == statedisk.LabelKeyed:
-		return "keyed"
-	case label == statedisk.LabelFresh:
-		return "fresh (formatted, never keyed)"
-	default:
-		return fmt.Sprintf("foreign LUKS volume labelled %q", label)
-	}
+	label, err := a.vol.Label(ctx)
+	return true, label, err
 }
 
 // Print writes the status for people.
