@@ -9,6 +9,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
+	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -26,11 +29,13 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/clusterinfo"
@@ -52,6 +57,7 @@ const (
 var (
 	_ resource.Resource                   = (*clusterResource)(nil)
 	_ resource.ResourceWithValidateConfig = (*clusterResource)(nil)
+	_ resource.ResourceWithModifyPlan     = (*clusterResource)(nil)
 	_ resource.ResourceWithImportState    = (*clusterResource)(nil)
 )
 
@@ -111,7 +117,6 @@ func (r *clusterResource) Metadata(_ context.Context, req resource.MetadataReque
 }
 
 func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, resp *resource.SchemaResponse) {
-	replace := []planmodifier.String{stringplanmodifier.RequiresReplace()}
 	keep := []planmodifier.String{stringplanmodifier.UseStateForUnknown()}
 	writeOnly := func(desc string) schema.StringAttribute {
 		return schema.StringAttribute{Optional: true, WriteOnly: true, Sensitive: true, MarkdownDescription: desc +
@@ -129,8 +134,17 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"attestation key must prove it lives in that TPM. Only then does the provider send the init request with the " +
 			"cluster's secrets; the node checks the init secret and runs `kubeadm init`. A node that shows other " +
 			"measurements gets nothing, and the error names the PCR, the value expected and the value got.\n\n" +
-			"kubeadm's output is logged as it arrives (`TF_LOG_PROVIDER=INFO`); a failed init shows its last " +
+			"While the node's init server does not answer yet, each attempt and what it got is logged " +
+			"(`TF_LOG_PROVIDER=INFO`); so is kubeadm's output, as it arrives. A failed init shows kubeadm's last " +
 			"lines.\n\n" +
+			"What the node acted on when it ran `kubeadm init` (`endpoint`, `cluster_name`, `kubernetes_version`, " +
+			"`control_plane_endpoint`, `pod_subnet`, `service_subnet` and the two CA certificates) is fixed once " +
+			"the cluster exists: a plan that changes one of them fails, naming it, rather than planning a " +
+			"replacement, which would drop the running cluster and its admin kubeconfig from state before a new " +
+			"init. Kubernetes upgrades are not supported yet. For a new cluster with other settings, " +
+			"`terraform state rm` this resource (the old cluster keeps running, unmanaged) and apply against a " +
+			"fresh node. `pcrs`, the TPM's trust (`ek_ca_certificates`, `aws`, `gcp`) and `init_timeout` matter " +
+			"only at init too, but changing them changes only state.\n\n" +
 			"On refresh the provider asks the API server for the cluster's record (ConfigMap " +
 			"`kube-system/berth-cluster`). A cluster that is gone (the API server answers without the record, or " +
 			"a fresh node waits for init at `endpoint`) or that is another cluster (another ID, another CA) is " +
@@ -142,35 +156,33 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"endpoint": schema.StringAttribute{
 				Required: true,
 				MarkdownDescription: "`host:port` of the first control-plane node's init server (berth-agent listens " +
-					"on port 7451). Changing it plans a new cluster.",
-				PlanModifiers: replace,
+					"on port 7451). Fixed once the cluster exists; refresh asks it whether a node waits for init.",
 			},
 			"cluster_name": schema.StringAttribute{
 				Required:            true,
-				MarkdownDescription: "Name of the cluster, a DNS-1123 label; the same as in `berth_node_config`.",
-				PlanModifiers:       replace,
+				MarkdownDescription: "Name of the cluster, a DNS-1123 label; the same as in `berth_node_config`. Fixed once the cluster exists.",
 			},
 			"kubernetes_version": schema.StringAttribute{
 				Required: true,
-				MarkdownDescription: "Kubernetes version kubeadm initializes, such as `v1.36.3`: the one baked into " +
-					"the image (`data.berth_image` `components.kubernetes`).",
-				PlanModifiers: replace,
+				MarkdownDescription: "Kubernetes release kubeadm initializes, with its `v`, such as `v1.36.3`: the one " +
+					"baked into the image (`data.berth_image` `components.kubernetes`). Kubernetes upgrades are not " +
+					"supported yet: a change is refused once the cluster exists.",
 			},
 			"control_plane_endpoint": schema.StringAttribute{
 				Optional: true,
 				MarkdownDescription: "`host:port` clients and nodes reach the API server at, such as a load " +
-					"balancer. Default: the node's own address, port 6443.",
-				PlanModifiers: replace,
+					"balancer. Default: the node's own address, port 6443. Fixed once the cluster exists.",
 			},
 			"pod_subnet": schema.StringAttribute{
-				Optional:            true,
-				MarkdownDescription: "CIDR of the pod network (kubeadm `networking.podSubnet`).",
-				PlanModifiers:       replace,
+				Optional: true,
+				MarkdownDescription: "CIDR of the pod network (kubeadm `networking.podSubnet`), such as `" + defaultPodSubnet +
+					"` (the default), or an IPv4 and an IPv6 CIDR, comma-separated, for dual-stack. Must not overlap " +
+					"`service_subnet`. Fixed once the cluster exists.",
 			},
 			"service_subnet": schema.StringAttribute{
-				Optional:            true,
-				MarkdownDescription: "CIDR of the service network (kubeadm `networking.serviceSubnet`); kubeadm's default if unset.",
-				PlanModifiers:       replace,
+				Optional: true,
+				MarkdownDescription: "CIDR of the service network (kubeadm `networking.serviceSubnet`), or an IPv4,IPv6 " +
+					"pair; kubeadm's `" + defaultServiceSubnet + "` if unset. Fixed once the cluster exists.",
 			},
 			"pcrs": schema.MapAttribute{
 				Required:    true,
@@ -243,13 +255,11 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"kubernetes_ca_certificate": schema.StringAttribute{
 				Required: true,
 				MarkdownDescription: "`berth_secrets.<name>.kubernetes_ca_certificate`: the cluster's CA, which the " +
-					"API server's certificate and the kubeconfig's CA data are checked against.",
-				PlanModifiers: replace,
+					"API server's certificate and the kubeconfig's CA data are checked against. Fixed once the cluster exists.",
 			},
 			"join_ca_certificate": schema.StringAttribute{
 				Required:            true,
-				MarkdownDescription: "`berth_secrets.<name>.join_ca_certificate`.",
-				PlanModifiers:       replace,
+				MarkdownDescription: "`berth_secrets.<name>.join_ca_certificate`. Fixed once the cluster exists.",
 			},
 			"init_secret_wo":       writeOnly("`ephemeral.berth_secrets.<name>.init_secret`: proves to the node that the request comes from its operator."),
 			"master_secret_wo":     writeOnly("`ephemeral.berth_secrets.<name>.master_secret`."),
@@ -272,8 +282,10 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"api_server_endpoint": schema.StringAttribute{Computed: true, PlanModifiers: keep,
 				MarkdownDescription: "`host:port` of the API server."},
 			"kubeconfig": schema.StringAttribute{Computed: true, Sensitive: true, PlanModifiers: keep,
-				MarkdownDescription: "The admin kubeconfig kubeadm wrote (`system:masters`). Sensitive, and kept in " +
-					"state: protect the state, or move to narrower credentials after bootstrap."},
+				MarkdownDescription: "The admin kubeconfig kubeadm wrote (group `kubeadm:cluster-admins`, bound to " +
+					"`cluster-admin`). Sensitive, and kept in state: protect the state, or use " +
+					"`ephemeral.berth_admin_credentials`, which mints short-lived admin credentials at each run and " +
+					"stores none."},
 			"client_certificate": schema.StringAttribute{Computed: true, PlanModifiers: keep,
 				MarkdownDescription: "PEM client certificate of `kubeconfig`, for providers that take it apart " +
 					"(`kubernetes`, `helm`) together with `kubernetes_ca_certificate` and `api_server_endpoint`."},
@@ -295,23 +307,29 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 		}
 	}
 	for _, a := range []struct {
-		name string
-		v    types.String
-	}{{"endpoint", m.Endpoint}, {"control_plane_endpoint", m.ControlPlaneEndpoint}} {
+		name    string
+		v       types.String
+		example string
+	}{{"endpoint", m.Endpoint, "10.0.0.10:7451"}, {"control_plane_endpoint", m.ControlPlaneEndpoint, "api.example.com:6443"}} {
 		if !known(a.v) {
 			continue
 		}
-		if _, port, err := net.SplitHostPort(a.v.ValueString()); err != nil || port == "" {
+		if err := hostPortError(a.v.ValueString()); err != "" {
 			resp.Diagnostics.AddAttributeError(path.Root(a.name), "Invalid endpoint",
-				fmt.Sprintf("%q is not host:port.", a.v.ValueString()))
+				fmt.Sprintf("%s is %q, which is not host:port such as %q: %s.", a.name, a.v.ValueString(), a.example, err))
 		}
 	}
-	if !m.PCRs.IsUnknown() && !m.PCRs.IsNull() {
-		pcrs := pcrValues(ctx, m.PCRs, path.Root("pcrs"), &resp.Diagnostics)
-		if len(pcrs) == 0 && !resp.Diagnostics.HasError() {
-			resp.Diagnostics.AddAttributeError(path.Root("pcrs"), "No measurements",
-				"An unmeasured node must not receive the cluster's secrets: give the image's PCR values.")
+	if known(m.KubernetesVersion) {
+		if detail := kubernetesVersionError(m.KubernetesVersion.ValueString()); detail != "" {
+			resp.Diagnostics.AddAttributeError(path.Root("kubernetes_version"), "Invalid Kubernetes version", detail)
 		}
+	}
+	checkSubnets(&m, &resp.Diagnostics)
+	if known(m.PCRs) && len(m.PCRs.Elements()) == 0 {
+		resp.Diagnostics.AddAttributeError(path.Root("pcrs"), "No measurements",
+			"An unmeasured node must not receive the cluster's secrets: give the image's PCR values.")
+	} else if known(m.PCRs) {
+		pcrValues(ctx, m.PCRs, path.Root("pcrs"), "", &resp.Diagnostics)
 	}
 	if known(m.EKCACertificates) {
 		if _, _, err := attest.ParseCABundle([]byte(m.EKCACertificates.ValueString())); err != nil {
@@ -330,6 +348,225 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 				fmt.Sprintf("%q is not a positive Go duration such as 15m.", m.InitTimeout.ValueString()))
 		}
 	}
+}
+
+// ModifyPlan refuses, at plan, a change of what the node acted on at init to a cluster that exists. Such
+// a change cannot reach the running cluster, and replacing the resource for it would drop the cluster and
+// its admin kubeconfig from state (Delete only forgets) before a new init at endpoint, which an
+// initialized node refuses. Values not known until apply are checked again by Update.
+func (r *clusterResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
+	// A create has no cluster yet, and a destroy changes nothing on it.
+	if req.State.Raw.IsNull() || req.Plan.Raw.IsNull() {
+		return
+	}
+	var plan, state clusterModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	refuseInitChanges(&state, &plan, &resp.Diagnostics)
+}
+
+// initSetting is an argument the node acted on when it ran kubeadm init.
+type initSetting struct {
+	name string
+	v    types.String
+}
+
+// initSettings are m's arguments that are fixed once its cluster exists.
+func initSettings(m *clusterModel) []initSetting {
+	return []initSetting{
+		{"endpoint", m.Endpoint}, {"cluster_name", m.ClusterName}, {"kubernetes_version", m.KubernetesVersion},
+		{"control_plane_endpoint", m.ControlPlaneEndpoint}, {"pod_subnet", m.PodSubnet}, {"service_subnet", m.ServiceSubnet},
+		{"kubernetes_ca_certificate", m.KubernetesCACertificate}, {"join_ca_certificate", m.JoinCACertificate},
+	}
+}
+
+// refuseInitChanges adds an error on each init setting whose known value in plan differs from the
+// cluster's in state, saying why and what to do instead.
+func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
+	was := initSettings(state)
+	for i, now := range initSettings(plan) {
+		old := was[i].v
+		if now.v.IsUnknown() || now.v.Equal(old) {
+			continue
+		}
+		cluster := "Cluster " + state.ClusterID.ValueString()
+		newCluster := "For a new cluster with the new value, remove this one from state (terraform state rm <this " +
+			"resource's address>; the old cluster keeps running, unmanaged) and apply against a fresh node waiting " +
+			"for init at endpoint."
+		switch now.name {
+		case "kubernetes_version":
+			diags.AddAttributeError(path.Root(now.name), "Kubernetes upgrades are not supported yet",
+				fmt.Sprintf("%s runs Kubernetes %s, which kubeadm initialized; kubernetes_version is now %s. Berth cannot "+
+					"upgrade a running cluster yet, and replacing it would drop it, and its admin kubeconfig, from state "+
+					"before a new init failed. Keep kubernetes_version = %s. %s",
+					cluster, settingValue(old), settingValue(now.v), settingValue(old), newCluster))
+		case "kubernetes_ca_certificate", "join_ca_certificate":
+			diags.AddAttributeError(path.Root(now.name), "The cluster's CA cannot change",
+				fmt.Sprintf("%s was initialized with another %s: was berth_secrets made again from another root key? "+
+					"A running cluster keeps its CAs, and replacing it would drop it, and its admin kubeconfig, from "+
+					"state before a new init failed. Keep the berth_secrets (and root key) that made this cluster. %s",
+					cluster, now.name, newCluster))
+		default:
+			keep := fmt.Sprintf("Keep %s = %s", now.name, settingValue(old))
+			if old.IsNull() {
+				keep = fmt.Sprintf("Leave %s unset", now.name)
+			}
+			diags.AddAttributeError(path.Root(now.name), "Fixed once the cluster exists",
+				fmt.Sprintf("%s was initialized with %s = %s; the configuration now says %s. The node used %s only "+
+					"when it ran kubeadm init, so a change cannot reach the running cluster, and replacing the cluster "+
+					"for it would drop it, and its admin kubeconfig, from state before a new init failed. %s, or "+
+					"list %s in lifecycle { ignore_changes }. %s",
+					cluster, now.name, settingValue(old), settingValue(now.v), now.name, keep, now.name, newCluster))
+		}
+	}
+}
+
+// settingValue shows an init setting's value in an error: quoted, or "unset".
+func settingValue(v types.String) string {
+	if v.IsNull() {
+		return "unset"
+	}
+	return fmt.Sprintf("%q", v.ValueString())
+}
+
+// hostPortError is why endpoint is not an address kubeadm and a kubeconfig take (the checks of
+// internal/kubeadm.ValidateEndpoint): host:port with a port of 1 to 65535 and a host that is an IP address
+// or a DNS name. Empty when it is one.
+func hostPortError(endpoint string) string {
+	host, port, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return strings.TrimPrefix(err.Error(), "address "+endpoint+": ")
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
+		return fmt.Sprintf("the port %q is not a number from 1 to 65535", port)
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return ""
+	}
+	if errs := validation.IsDNS1123Subdomain(host); len(errs) > 0 {
+		return fmt.Sprintf("the host %q is neither an IP address nor a DNS name (%s)", host, strings.Join(errs, "; "))
+	}
+	return ""
+}
+
+// kubernetesRelease is the kubernetes_version the node's init server accepts (its own kubernetesVersion
+// pattern in nodeagent/internal/initserver): a release such as v1.36.3, or a pre-release such as
+// v1.37.0-rc.1, with its "v" as kubeadm names releases and the image manifest records them.
+var kubernetesRelease = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})(-[0-9A-Za-z.]{1,32})?\z`)
+
+// kubernetesMinor is a version without its patch release, such as 1.36.
+var kubernetesMinor = regexp.MustCompile(`\Av?(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\z`)
+
+// kubernetesVersionError says what is wrong with a kubernetes_version and what it should be; empty when the
+// node takes it.
+func kubernetesVersionError(v string) string {
+	const image = "the release baked into the image, data.berth_image.<name>.components.kubernetes"
+	switch {
+	case kubernetesRelease.MatchString(v):
+		return ""
+	case kubernetesRelease.MatchString("v" + v):
+		return fmt.Sprintf("kubernetes_version is %q: write the release with its \"v\", %q, as kubeadm names releases "+
+			"and the image manifest records them (%s).", v, "v"+v, image)
+	case kubernetesMinor.MatchString(v):
+		return fmt.Sprintf("kubernetes_version is %q, a minor version: kubeadm initializes one exact release, "+
+			"\"v%s.<patch>\" such as \"v1.36.3\" (%s).", v, strings.TrimPrefix(v, "v"), image)
+	}
+	return fmt.Sprintf("kubernetes_version is %q, which is not a Kubernetes release such as \"v1.36.3\" (%s).", v, image)
+}
+
+// The subnets the node's kubeadm configuration takes when pod_subnet or service_subnet is unset: Berth's
+// (internal/kubeadm.DefaultPodSubnet) and kubeadm's own (DefaultServiceSubnet). They are repeated here
+// because importing internal/kubeadm would bring all of kubeadm's API types into the provider; a test checks
+// that they agree.
+const (
+	defaultPodSubnet     = "10.244.0.0/16"
+	defaultServiceSubnet = "10.96.0.0/12"
+)
+
+// checkSubnets checks pod_subnet and service_subnet as the node's kubeadm configuration will
+// (internal/kubeadm), each on its attribute, and that the two, unset ones at their defaults, do not
+// overlap: pods and services in one range break both.
+func checkSubnets(m *clusterModel, diags *diag.Diagnostics) {
+	type subnet struct {
+		name, value string
+		set         bool
+		// prefixes is nil while the value is unknown or wrong.
+		prefixes []netip.Prefix
+	}
+	nets := []*subnet{{name: "pod_subnet", value: defaultPodSubnet}, {name: "service_subnet", value: defaultServiceSubnet}}
+	for i, v := range []types.String{m.PodSubnet, m.ServiceSubnet} {
+		n := nets[i]
+		if v.IsUnknown() {
+			continue
+		}
+		if !v.IsNull() {
+			n.value, n.set = v.ValueString(), true
+		}
+		var err string
+		if n.prefixes, err = parseSubnet(n.value, n.name); err != "" {
+			diags.AddAttributeError(path.Root(n.name), "Invalid subnet", fmt.Sprintf("%s is %q: %s.", n.name, n.value, err))
+		}
+	}
+	pod, svc := nets[0], nets[1]
+	if pod.prefixes == nil || svc.prefixes == nil {
+		return
+	}
+	for _, p := range pod.prefixes {
+		for _, s := range svc.prefixes {
+			if !p.Overlaps(s) {
+				continue
+			}
+			at, describe := svc, func(n *subnet) string {
+				if n.set {
+					return fmt.Sprintf("%s %q", n.name, n.value)
+				}
+				return fmt.Sprintf("%s's default %q (it is unset)", n.name, n.value)
+			}
+			if !svc.set {
+				at = pod
+			}
+			diags.AddAttributeError(path.Root(at.name), "Overlapping subnets",
+				fmt.Sprintf("%s and %s overlap (%s and %s): pods and services need address ranges of their own.",
+					describe(pod), describe(svc), p, s))
+			return
+		}
+	}
+}
+
+// parseSubnet reads the value of attribute name as the node's kubeadm configuration does: one CIDR, or an
+// IPv4 and an IPv6 CIDR for dual-stack, comma-separated, each without host bits. The error says what is
+// wrong and how to write it.
+func parseSubnet(value, name string) ([]netip.Prefix, string) {
+	example := defaultPodSubnet
+	if name == "service_subnet" {
+		example = defaultServiceSubnet
+	}
+	parts := strings.Split(value, ",")
+	if len(parts) > 2 {
+		return nil, "at most two CIDRs, an IPv4 and an IPv6 one for dual-stack"
+	}
+	var prefixes []netip.Prefix
+	for _, part := range parts {
+		if addr, err := netip.ParseAddr(part); err == nil {
+			return nil, fmt.Sprintf("%s is an address, not a CIDR: add the network's prefix length, \"%s/<length>\" such as %q",
+				part, addr, example)
+		}
+		prefix, err := netip.ParsePrefix(part)
+		if err != nil {
+			return nil, fmt.Sprintf("%q is not a CIDR such as %q", part, example)
+		}
+		if prefix.Masked() != prefix {
+			return nil, fmt.Sprintf("%s has host bits set: the network is %q", prefix, prefix.Masked())
+		}
+		prefixes = append(prefixes, prefix)
+	}
+	if len(prefixes) == 2 && prefixes[0].Addr().Is4() == prefixes[1].Addr().Is4() {
+		return nil, "a dual-stack pair needs one IPv4 and one IPv6 CIDR"
+	}
+	return prefixes, ""
 }
 
 // checkOneTrust refuses a configuration that does not set exactly one way to trust the node's TPM. While
@@ -471,7 +708,7 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 		return
 	}
 	request := initRequest(&plan, &config, &resp.Diagnostics)
-	pcrs := pcrValues(ctx, plan.PCRs, path.Root("pcrs"), &resp.Diagnostics)
+	pcrs := pcrValues(ctx, plan.PCRs, path.Root("pcrs"), "", &resp.Diagnostics)
 	trust, instanceID, diags := ekTrust(ctx, &plan)
 	resp.Diagnostics.Append(diags...)
 	timeout, err := time.ParseDuration(plan.InitTimeout.ValueString())
@@ -484,15 +721,23 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 
 	endpoint := plan.Endpoint.ValueString()
 	tail := make([]string, 0, progressTail)
-	tflog.Info(ctx, "attesting the node and initializing the cluster", map[string]any{"endpoint": endpoint, "timeout": timeout.String()})
 	start := time.Now()
+	deadline := start.Add(timeout)
+	waitCtx, cancel := context.WithDeadline(ctx, deadline)
+	err = awaitInitServer(waitCtx, endpoint)
+	cancel()
+	if err != nil {
+		addInitError(&resp.Diagnostics, endpoint, err, nil)
+		return
+	}
+	tflog.Info(ctx, "attesting the node and initializing the cluster", map[string]any{"endpoint": endpoint, "timeout": timeout.String()})
 	result, err := initclient.Init(ctx, initclient.Config{
 		Endpoint:     endpoint,
 		Verifier:     attest.NewVerifier(trust),
 		InstanceID:   instanceID,
 		ExpectedPCRs: pcrs,
 		Request:      request,
-		Timeout:      timeout,
+		Timeout:      time.Until(deadline),
 		Busy: func(attempt int, wait time.Duration) {
 			tflog.Info(ctx, "the node is busy with another init exchange; asking again", map[string]any{
 				"endpoint": endpoint, "attempt": attempt, "retry_in": wait.String()})
@@ -506,6 +751,7 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 		},
 	})
 	if err != nil {
+		tflog.Info(ctx, "the init failed: "+err.Error(), map[string]any{"endpoint": endpoint})
 		addInitError(&resp.Diagnostics, endpoint, err, tail)
 		return
 	}
@@ -535,6 +781,44 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 	plan.ClientCertificate = types.StringValue(string(creds.certPEM))
 	plan.ClientKey = types.StringValue(string(creds.keyPEM))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+// initPoll paces the attempts to reach a node's init server: a node created in the same run may take
+// minutes to boot, and the init starts within seconds of its server listening.
+var initPoll = backoff.Policy{Initial: time.Second, Max: 5 * time.Second}
+
+// initProbeTimeout bounds one attempt: a connection, a TLS handshake and the node's quote of one PCR.
+const initProbeTimeout = 10 * time.Second
+
+// awaitInitServer waits until the node's init server answers at endpoint, and logs every attempt and what it
+// got (connection refused, a TLS handshake that failed, no answer in time), so that a wait of minutes shows
+// why. The probe is the one refresh uses: the node quotes PCR 0 and nothing is sent to it. A server that
+// answers otherwise than with a quote (busy with another client, a node already initialized) is left for the
+// init itself, which says what that means.
+func awaitInitServer(ctx context.Context, endpoint string) error {
+	start := time.Now()
+	attempt := 0
+	return backoff.Retry(ctx, initPoll, nil, nil, func(ctx context.Context) error {
+		attempt++
+		waiting, err := initclient.AwaitsInit(ctx, endpoint, initProbeTimeout)
+		fields := map[string]any{"endpoint": endpoint, "attempt": attempt, "waited": time.Since(start).Round(time.Second).String()}
+		switch code := status.Code(err); {
+		case waiting:
+			tflog.Info(ctx, fmt.Sprintf("attempt %d: the node's init server at %s answers with a TPM quote", attempt, endpoint), fields)
+			return nil
+		case err == nil:
+			tflog.Info(ctx, fmt.Sprintf("attempt %d: %s answers without a TPM quote", attempt, endpoint), fields)
+			return nil
+		case code != codes.Unavailable && code != codes.DeadlineExceeded:
+			tflog.Info(ctx, fmt.Sprintf("attempt %d: %s answers: %v", attempt, endpoint, err), fields)
+			return nil
+		}
+		return err
+	}, func(attempt int, err error, next time.Duration) {
+		tflog.Info(ctx, fmt.Sprintf("attempt %d: no init server at %s yet: %v", attempt, endpoint, err), map[string]any{
+			"endpoint": endpoint, "attempt": attempt, "waited": time.Since(start).Round(time.Second).String(),
+			"retry_in": next.Round(time.Millisecond).String()})
+	})
 }
 
 // initRequest assembles the init request from the plan and the write-only secrets of the configuration.
@@ -706,12 +990,16 @@ func anotherCluster(err error) bool {
 }
 
 // Update changes only what needs no node: the measurements and the TPM's trust (used at init only) and the
-// timeout.
+// timeout. An init setting that was not known at plan and turned out to differ is refused here, with the
+// cluster kept in state as it was.
 func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
 	var plan, state clusterModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
 	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
 	if resp.Diagnostics.HasError() {
+		return
+	}
+	if refuseInitChanges(&state, &plan, &resp.Diagnostics); resp.Diagnostics.HasError() {
 		return
 	}
 	state.PCRs, state.EKCACertificates, state.AWS, state.GCP = plan.PCRs, plan.EKCACertificates, plan.AWS, plan.GCP

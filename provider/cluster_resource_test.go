@@ -94,7 +94,7 @@ func TestClusterResourceRefusals(t *testing.T) {
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{
 			planOnly(clusterArgs("127.0.0.1:1", "Lab_1", zeroPCR11), `(?s)Invalid cluster name.*"Lab_1" is not a DNS-1123 label`),
-			planOnly(clusterArgs("127.0.0.1", "lab", zeroPCR11), `(?s)Invalid endpoint.*"127.0.0.1" is not host:port`),
+			planOnly(clusterArgs("127.0.0.1", "lab", zeroPCR11), `(?s)Invalid endpoint.*endpoint is "127.0.0.1", which is not host:port`),
 			planOnly(clusterArgs("127.0.0.1:1", "lab", `{ "24" = "00" }`), `(?s)Invalid PCR index.*"24"`),
 			planOnly(clusterArgs("127.0.0.1:1", "lab", `{ "11" = "ABCD" }`), `(?s)Invalid PCR value.*PCR 11 must be 64 lowercase hex`),
 			planOnly(clusterArgs("127.0.0.1:1", "lab", `{}`), `(?s)No measurements.*unmeasured node`),

@@ -2,8 +2,10 @@ package provider
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"strings"
 
@@ -61,8 +63,9 @@ func (d *imageDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, 
 		Attributes: map[string]schema.Attribute{
 			"path": schema.StringAttribute{
 				Required: true,
-				MarkdownDescription: "Path of the manifest file, e.g. `\"${path.module}/berth-image.json\"`. A relative " +
-					"path is relative to the directory Terraform runs in.",
+				MarkdownDescription: "Path of the manifest file, e.g. `\"${path.module}/berth-image.json\"`, as the " +
+					"post-processor `berth-manifest` of `packer build` writes it. A relative path is relative to the " +
+					"directory Terraform runs in.",
 			},
 			"name": schema.StringAttribute{
 				Optional:            true,
@@ -138,6 +141,11 @@ func (d *imageDataSource) Read(ctx context.Context, req datasource.ReadRequest, 
 // readManifest reads at most one byte more than a manifest may have, so a huge file is refused unread.
 func readManifest(name string) (*manifest.Manifest, error) {
 	f, err := os.Open(name)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s does not exist. `packer build` with the Berth plugin's post-processor "+
+			"berth-manifest writes it (to its `output`, %s by default): run the build first, or set path to "+
+			"where it wrote the manifest", name, manifest.DefaultFile)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package provider
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -23,6 +24,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-framework/types/basetypes"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -41,6 +43,7 @@ var (
 	_ resource.Resource                   = (*joinPolicyResource)(nil)
 	_ resource.ResourceWithConfigure      = (*joinPolicyResource)(nil)
 	_ resource.ResourceWithValidateConfig = (*joinPolicyResource)(nil)
+	_ resource.ResourceWithModifyPlan     = (*joinPolicyResource)(nil)
 	_ resource.ResourceWithImportState    = (*joinPolicyResource)(nil)
 )
 
@@ -81,20 +84,24 @@ var lowerHex64 = regexp.MustCompile(`^[0-9a-f]{64}$`)
 const maxPCR = 23
 
 // pcrValues decodes a map of PCR index ("11") to SHA-256 value in lowercase hex, adding an error at at for
-// every entry that is not one.
-func pcrValues(ctx context.Context, m types.Map, at path.Path, diags *diag.Diagnostics) map[int][]byte {
+// every entry that is not one; who, when not empty, names whose PCRs they are (an image of a policy).
+func pcrValues(ctx context.Context, m types.Map, at path.Path, who string, diags *diag.Diagnostics) map[int][]byte {
+	prefix := ""
+	if who != "" {
+		prefix = who + ": "
+	}
 	var pcrs map[string]string
 	diags.Append(m.ElementsAs(ctx, &pcrs, false)...)
 	out := make(map[int][]byte, len(pcrs))
 	for _, k := range slices.Sorted(maps.Keys(pcrs)) {
 		idx, err := strconv.Atoi(k)
 		if err != nil || strconv.Itoa(idx) != k || idx < 0 || idx > maxPCR {
-			diags.AddAttributeError(at, "Invalid PCR index", fmt.Sprintf("PCR index %q is not a plain decimal number 0-%d.", k, maxPCR))
+			diags.AddAttributeError(at, "Invalid PCR index", fmt.Sprintf("%sPCR index %q is not a plain decimal number 0-%d.", prefix, k, maxPCR))
 			continue
 		}
 		if !lowerHex64.MatchString(pcrs[k]) {
 			diags.AddAttributeError(at.AtMapKey(k), "Invalid PCR value",
-				fmt.Sprintf("PCR %s must be 64 lowercase hex digits (a SHA-256 value), got %q.", k, pcrs[k]))
+				fmt.Sprintf("%sPCR %s must be 64 lowercase hex digits (a SHA-256 value), got %q.", prefix, k, pcrs[k]))
 			continue
 		}
 		out[idx], _ = hex.DecodeString(pcrs[k])
@@ -155,50 +162,66 @@ func (r *joinPolicyResource) ValidateConfig(ctx context.Context, req resource.Va
 	if resp.Diagnostics.HasError() || m.Images.IsUnknown() {
 		return
 	}
-	if _, diags := m.policy(ctx); diags.HasError() {
-		resp.Diagnostics.Append(diags...)
+	_, diags := m.policy(ctx, time.Now())
+	resp.Diagnostics.Append(diags...)
+}
+
+// ModifyPlan refuses at plan a policy that the apply could not write: without the provider's kubeconfig
+// there is no cluster to write it into. A kubeconfig not known yet (from a berth_cluster this run creates)
+// is looked at when it is.
+func (r *joinPolicyResource) ModifyPlan(_ context.Context, _ resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
+	if r.kube == nil && !r.kubeUnknown {
+		addNoKubeconfig(&resp.Diagnostics)
 	}
 }
 
-// policy builds the join policy of the model, with plan-time errors that name the attribute. Values that
-// are not known yet (an image's PCRs from a data source of this run) are skipped here and checked at apply.
-func (m joinPolicyModel) policy(ctx context.Context) (*policy.Policy, diag.Diagnostics) {
+// addNoKubeconfig says what berth_join_policy needs when the provider has no kubeconfig.
+func addNoKubeconfig(diags *diag.Diagnostics) {
+	diags.AddError("No cluster to write the join policy into",
+		"berth_join_policy writes into the cluster through the provider's kubeconfig, and the provider has none. "+
+			"Set it to the admin kubeconfig's content, for example `provider \"berth\" { kubeconfig = "+
+			"berth_cluster.<name>.kubeconfig }`, or `file(\"admin.conf\")` for a cluster made elsewhere.")
+}
+
+// policy builds the join policy of the model. Every known field of every image is checked in one pass, each
+// error on its attribute and naming the image and the value, so that one plan lists every mistake. Values
+// not known yet (an image's PCRs from a data source of this run) are checked at apply; the policy is nil
+// unless every value is known and valid. An image that expired before now is a warning: the join services
+// refuse it, so keeping it is harmless, but it is most likely a policy that was meant to admit it.
+func (m joinPolicyModel) policy(ctx context.Context, now time.Time) (*policy.Policy, diag.Diagnostics) {
 	var diags diag.Diagnostics
-	var images []joinPolicyImage
-	diags.Append(m.Images.ElementsAs(ctx, &images, false)...)
+	var objs []types.Object
+	diags.Append(m.Images.ElementsAs(ctx, &objs, false)...)
 	if diags.HasError() {
 		return nil, diags
 	}
-	p := &policy.Policy{Images: []policy.Image{}}
-	known := true
-	for i, im := range images {
-		at := path.Root("images").AtListIndex(i)
-		if im.Name.IsUnknown() || im.Roles.IsUnknown() || im.PCRs.IsUnknown() || im.Expires.IsUnknown() {
-			known = false
+	if len(objs) > policy.MaxImages {
+		diags.AddAttributeError(path.Root("images"), "Too many images",
+			fmt.Sprintf("images lists %d images, more than the join policy's limit of %d.", len(objs), policy.MaxImages))
+	}
+	p := &policy.Policy{Images: make([]policy.Image, 0, len(objs))}
+	complete := true
+	names := map[string]int{}
+	for i, obj := range objs {
+		if !known(obj) {
+			complete = false
 			continue
 		}
-		img := policy.Image{Name: im.Name.ValueString()}
-		var roles []string
-		diags.Append(im.Roles.ElementsAs(ctx, &roles, false)...)
-		for _, r := range roles {
-			img.Roles = append(img.Roles, metadata.Role(r))
+		var im joinPolicyImage
+		// Only this conversion's failure ends the pass: earlier images' errors must not hide later ones'.
+		d := obj.As(ctx, &im, basetypes.ObjectAsOptions{})
+		if diags.Append(d...); d.HasError() {
+			return nil, diags
 		}
-		slices.Sort(img.Roles)
-		img.PCRs = pcrValues(ctx, im.PCRs, at.AtName("pcrs"), &diags)
-		if !im.Expires.IsNull() {
-			t, err := time.Parse(time.RFC3339, im.Expires.ValueString())
-			if err != nil || !strings.HasSuffix(im.Expires.ValueString(), "Z") {
-				diags.AddAttributeError(at.AtName("expires"), "Invalid expiry",
-					fmt.Sprintf("%q is not an RFC 3339 time in UTC such as 2026-12-31T00:00:00Z.", im.Expires.ValueString()))
-			} else {
-				img.Expires = &t
-			}
-		}
+		img, ok := im.check(ctx, i, names, now, &diags)
+		complete = complete && ok
 		p.Images = append(p.Images, img)
 	}
-	if diags.HasError() || !known {
+	if diags.HasError() || !complete {
 		return nil, diags
 	}
+	// The checks above are the policy's rules field by field; Validate, which the join services apply to
+	// what they read, has the last word.
 	if err := p.Validate(); err != nil {
 		diags.AddAttributeError(path.Root("images"), "Invalid join policy", err.Error())
 		return nil, diags
@@ -206,10 +229,87 @@ func (m joinPolicyModel) policy(ctx context.Context) (*policy.Policy, diag.Diagn
 	return p, diags
 }
 
+// check checks each known field of images[i] on its own attribute, and returns the image with whatever it
+// could take in; ok is false when a field is not known yet. names holds the index of each name seen so far,
+// to name both images of a duplicate.
+func (im joinPolicyImage) check(ctx context.Context, i int, names map[string]int, now time.Time, diags *diag.Diagnostics) (img policy.Image, ok bool) {
+	at := path.Root("images").AtListIndex(i)
+	// who names the image in messages: by its name where that is known, and always by its place.
+	who := fmt.Sprintf("images[%d]", i)
+	if known(im.Name) {
+		name := im.Name.ValueString()
+		who = fmt.Sprintf("Image %q (images[%d])", name, i)
+		img.Name = name
+		if err := imageNameError(name); err != nil {
+			diags.AddAttributeError(at.AtName("name"), "Invalid image name",
+				fmt.Sprintf("images[%d].name is %q: %s.", i, name, err))
+		} else if prev, dup := names[name]; dup {
+			diags.AddAttributeError(at.AtName("name"), "Duplicate image name",
+				fmt.Sprintf("images[%d] and images[%d] are both named %q: each image of a join policy needs its own name.", prev, i, name))
+		} else {
+			names[name] = i
+		}
+	}
+	if known(im.Roles) {
+		var roles []string
+		diags.Append(im.Roles.ElementsAs(ctx, &roles, false)...)
+		if len(roles) == 0 {
+			diags.AddAttributeError(at.AtName("roles"), "No roles",
+				fmt.Sprintf("%s has no roles: list %q, %q or both.", who, metadata.RoleControlPlane, metadata.RoleWorker))
+		}
+		for _, r := range roles {
+			if role := metadata.Role(r); role.Valid() {
+				img.Roles = append(img.Roles, role)
+				continue
+			}
+			diags.AddAttributeError(at.AtName("roles"), "Invalid role",
+				fmt.Sprintf("%s: role %q is not %q or %q.", who, r, metadata.RoleControlPlane, metadata.RoleWorker))
+		}
+		slices.Sort(img.Roles)
+	}
+	if known(im.PCRs) {
+		img.PCRs = pcrValues(ctx, im.PCRs, at.AtName("pcrs"), who, diags)
+		if len(im.PCRs.Elements()) == 0 {
+			diags.AddAttributeError(at.AtName("pcrs"), "No measurements",
+				who+" has no pcrs: an image without measurements would let any machine join.")
+		}
+	}
+	if known(im.Expires) {
+		img.Expires = checkExpires(im.Expires.ValueString(), at.AtName("expires"), who, now, diags)
+	}
+	return img, !im.Name.IsUnknown() && !im.Roles.IsUnknown() && !im.PCRs.IsUnknown() && !im.Expires.IsUnknown()
+}
+
+// checkExpires parses an image's expiry, an RFC 3339 time in UTC; one already past is a warning.
+func checkExpires(text string, at path.Path, who string, now time.Time, diags *diag.Diagnostics) *time.Time {
+	t, err := time.Parse(time.RFC3339, text)
+	if err != nil || !strings.HasSuffix(text, "Z") {
+		diags.AddAttributeError(at, "Invalid expiry",
+			fmt.Sprintf("%s: expires is %q, which is not an RFC 3339 time in UTC such as 2026-12-31T00:00:00Z.", who, text))
+		return nil
+	}
+	if !t.After(now) {
+		diags.AddAttributeWarning(at, "Image already expired",
+			fmt.Sprintf("%s expired at %s: the join services refuse every node of it. Remove the image from "+
+				"images, or give it a later expires if its nodes should still join.", who, text))
+	}
+	return &t
+}
+
+// imageNameError is the join policy's verdict on an image name alone: the name's in a policy whose only
+// image has valid placeholders for its other fields, without the "join policy image 0" it is wrapped in.
+func imageNameError(name string) error {
+	probe := policy.Policy{Images: []policy.Image{{Name: name, Roles: []metadata.Role{metadata.RoleWorker},
+		PCRs: map[int][]byte{0: make([]byte, sha256.Size)}}}}
+	if err := probe.Validate(); err != nil {
+		return cmp.Or(errors.Unwrap(err), err)
+	}
+	return nil
+}
+
 func (r *joinPolicyResource) client(diags *diag.Diagnostics) kubernetes.Interface {
 	if r.kube == nil {
-		diags.AddError("No cluster to write the join policy into",
-			"berth_join_policy needs the provider's kubeconfig, for example `provider \"berth\" { kubeconfig = berth_cluster.this.kubeconfig }`.")
+		addNoKubeconfig(diags)
 	}
 	return r.kube
 }
@@ -265,9 +365,11 @@ func (r *joinPolicyResource) write(ctx context.Context, plan tfsdk.Plan, state *
 	diags.Append(state.Set(ctx, &m)...)
 }
 
-// render is the policy's YAML, as the join services parse it.
+// render is the policy's YAML, as the join services parse it. Its diagnostics are only errors: the plan
+// showed the warnings.
 func (m joinPolicyModel) render(ctx context.Context) (string, diag.Diagnostics) {
-	p, diags := m.policy(ctx)
+	p, all := m.policy(ctx, time.Now())
+	diags := all.Errors()
 	if diags.HasError() {
 		return "", diags
 	}

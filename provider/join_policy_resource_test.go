@@ -95,7 +95,7 @@ func TestJoinPolicyResource(t *testing.T) {
 			{
 				Config:      joinPolicyConfig(kubeconfig, strings.Replace(imgB, `"9" =`, `"24" =`, 1)),
 				PlanOnly:    true,
-				ExpectError: regexp.MustCompile(`(?s)Invalid PCR index.*"24" is not a plain decimal number 0-23`),
+				ExpectError: regexp.MustCompile(`(?s)Invalid PCR index.*` + phrase(`PCR index "24" is not a plain decimal number 0-23`).String()),
 			},
 			{
 				Config:      joinPolicyConfig(kubeconfig, strings.Replace(imgB, pcr9, strings.ToUpper("aa"+pcr9[2:]), 1)),
@@ -110,7 +110,7 @@ func TestJoinPolicyResource(t *testing.T) {
 			{
 				Config:      joinPolicyConfig(kubeconfig, policyImage("berth-x", `"admin"`, "")),
 				PlanOnly:    true,
-				ExpectError: regexp.MustCompile(`(?s)Invalid join policy.*admin`),
+				ExpectError: regexp.MustCompile(`(?s)Invalid role.*role "admin" is not "control-plane" or "worker"`),
 			},
 			{
 				Config: joinPolicyConfig(kubeconfig, imgA, imgB),
@@ -182,7 +182,7 @@ func TestJoinPolicyNeedsKubeconfig(t *testing.T) {
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{{
 			Config:      `resource "berth_join_policy" "this" { images = [] }`,
-			ExpectError: regexp.MustCompile(`needs the provider's kubeconfig`),
+			ExpectError: regexp.MustCompile(`(?s)No cluster to write the join policy into.*the provider has none`),
 		}},
 	})
 }

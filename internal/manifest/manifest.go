@@ -28,6 +28,9 @@ const (
 	MaxPCRIndex = 23
 	Version     = 1
 
+	// DefaultFile is the manifest's name unless the post-processor berth-manifest's output says otherwise.
+	DefaultFile = "berth-image.json"
+
 	// Image names become join-policy image names, so they follow the policy's rule.
 	maxNameLen       = 253
 	maxBuilderLen    = 64
@@ -164,7 +167,7 @@ func (img Image) Validate() error {
 			return fmt.Errorf("PCR index %s is not a decimal number from 0 to %d without sign or leading zeros", quote(key), MaxPCRIndex)
 		}
 		if v := img.PCRs[key]; !isLowerHex(v, digestHexLen) {
-			return fmt.Errorf("PCR %d: value is not %d lowercase hex digits (a SHA-256 digest)", idx, digestHexLen)
+			return fmt.Errorf("PCR %d: value %s is not %d lowercase hex digits (a SHA-256 digest)", idx, quoteValue(v), digestHexLen)
 		}
 	}
 	if len(img.Components) > maxComponents {
@@ -193,7 +196,8 @@ func ValidateName(name string) error {
 		return (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '.' && r != '-'
 	}); i >= 0 {
 		r, _ := utf8.DecodeRuneInString(name[i:])
-		return fmt.Errorf("name has %q at position %d: only a-z, 0-9, '.' and '-' are allowed (join policy image names)", r, i)
+		return fmt.Errorf("name %s has %q at position %d: only a-z, 0-9, '.' and '-' are allowed (join policy image names)",
+			quoteValue(name), r, i)
 	}
 	return nil
 }
@@ -205,9 +209,9 @@ func validateText(what, s string, maxLen int, required bool) error {
 	case len(s) > maxLen:
 		return fmt.Errorf("%s is %d bytes, more than %d", what, len(s), maxLen)
 	case !utf8.ValidString(s):
-		return fmt.Errorf("%s is not valid UTF-8", what)
+		return fmt.Errorf("%s %s is not valid UTF-8", what, quoteValue(s))
 	case strings.ContainsFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f }):
-		return fmt.Errorf("%s contains control characters", what)
+		return fmt.Errorf("%s %s contains control characters", what, quoteValue(s))
 	}
 	return nil
 }
@@ -234,20 +238,47 @@ func nameForError(name string) string {
 
 // quote quotes a refused key, cut short so that a large one is not echoed.
 func quote(s string) string {
-	const maxShown = 16
+	return quoteCut(s, 16)
+}
+
+// quoteValue quotes a refused value: long enough to show a whole PCR value or image name as written, cut
+// short beyond that.
+func quoteValue(s string) string {
+	return quoteCut(s, 80)
+}
+
+func quoteCut(s string, maxShown int) string {
 	if len(s) > maxShown {
 		return fmt.Sprintf("%q... (%d bytes)", s[:maxShown], len(s))
 	}
 	return fmt.Sprintf("%q", s)
 }
 
+// shapes is the JSON type of each value by its place (the form of structKeys, a map's entries under
+// "<map>.*"), so that a value of the wrong type is named with the value itself; encoding/json would say
+// only "cannot unmarshal number into Go struct field".
+var shapes = map[string]string{
+	"":                      "an object",
+	"version":               "a number",
+	"images":                "an array",
+	"images[]":              "an object",
+	"images[].name":         "a string",
+	"images[].builder":      "a string",
+	"images[].artifact_id":  "a string",
+	"images[].region":       "a string",
+	"images[].pcrs":         "an object",
+	"images[].pcrs.*":       "a string",
+	"images[].components":   "an object",
+	"images[].components.*": "a string",
+}
+
 // checkKeys walks the JSON text and refuses a key that appears twice in one object (encoding/json keeps
-// the last, so a second "4" would silently replace a PCR value), a struct key that is not spelt exactly,
-// and anything after the top-level value.
+// the last, so a second "4" would silently replace a PCR value), a struct key that is not spelt exactly, a
+// value of the wrong type, and anything after the top-level value.
 func checkKeys(data []byte) error {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
-	if err := walk(dec, ""); err != nil {
+	if err := walk(dec, "", ""); err != nil {
 		return err
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
@@ -256,9 +287,14 @@ func checkKeys(data []byte) error {
 	return nil
 }
 
-func walk(dec *json.Decoder, path string) error {
+// walk checks the value that comes next in dec. shape is its place in the form of structKeys and shapes;
+// where names it for errors, with indexes and map keys ("images[0].pcrs.4").
+func walk(dec *json.Decoder, shape, where string) error {
 	tok, err := dec.Token()
 	if err != nil {
+		return err
+	}
+	if err := checkShape(tok, shape, where); err != nil {
 		return err
 	}
 	delim, ok := tok.(json.Delim)
@@ -267,13 +303,13 @@ func walk(dec *json.Decoder, path string) error {
 	}
 	switch delim {
 	case '[':
-		for dec.More() {
-			if err := walk(dec, path+"[]"); err != nil {
+		for i := 0; dec.More(); i++ {
+			if err := walk(dec, shape+"[]", fmt.Sprintf("%s[%d]", where, i)); err != nil {
 				return err
 			}
 		}
 	case '{':
-		allowed, isStruct := structKeys[path]
+		allowed, isStruct := structKeys[shape]
 		seen := make(map[string]bool)
 		for dec.More() {
 			tok, err := dec.Token()
@@ -288,11 +324,14 @@ func walk(dec *json.Decoder, path string) error {
 			if isStruct && !slices.Contains(allowed, key) {
 				return fmt.Errorf("unknown key %s (keys are lowercase: %s)", quote(key), strings.Join(allowed, ", "))
 			}
-			child := key
-			if path != "" {
-				child = path + "." + key
+			childShape, childWhere := key, key
+			if !isStruct {
+				childShape, childWhere = "*", quote(key)
 			}
-			if err := walk(dec, child); err != nil {
+			if shape != "" {
+				childShape, childWhere = shape+"."+childShape, where+"."+childWhere
+			}
+			if err := walk(dec, childShape, childWhere); err != nil {
 				return err
 			}
 		}
@@ -300,4 +339,36 @@ func walk(dec *json.Decoder, path string) error {
 	// The closing delimiter.
 	_, err = dec.Token()
 	return err
+}
+
+// checkShape refuses tok, the start of the value at shape, when it is not of the type shapes wants there.
+// A null is left to encoding/json, which takes it as the zero value, as it always has.
+func checkShape(tok json.Token, shape, where string) error {
+	want, ok := shapes[shape]
+	if !ok || tok == nil {
+		return nil
+	}
+	var got, shown string
+	switch v := tok.(type) {
+	case json.Delim:
+		got = map[json.Delim]string{'{': "an object", '[': "an array"}[v]
+		shown = got
+	case string:
+		got, shown = "a string", "the string "+quoteValue(v)
+	case json.Number:
+		n := v.String()
+		if len(n) > 32 {
+			n = n[:32] + "..."
+		}
+		got, shown = "a number", "the number "+n
+	case bool:
+		got, shown = "a boolean", fmt.Sprint(v)
+	}
+	if got == want {
+		return nil
+	}
+	if where == "" {
+		where = "the manifest"
+	}
+	return fmt.Errorf("%s is %s, want %s", where, shown, want)
 }
