@@ -165,7 +165,9 @@ type labWorker struct {
 // PCR named; then the cluster is initialized, a worker joins, the policy drops an image and a worker of that
 // image is refused; the join policy imports; with another cluster's record, or none, in the cluster a plan
 // initializes a new cluster; with its own record back a plan shows no drift; destroy leaves no machine
-// behind. State and `terraform show -json` never hold a secret.
+// behind. State and `terraform show -json` never hold a secret. A configuration that reaches the cluster only
+// with berth_admin_credentials finds it healthy with berth_cluster_health, keeps no private key, and names
+// the refused worker as never admitted.
 func TestAccLab(t *testing.T) {
 	if os.Getenv(resource.EnvTfAcc) == "" {
 		t.Skip("acceptance test against a real lab: make testacc runs it (TF_ACC=1, root)")
@@ -256,6 +258,7 @@ func TestAccLab(t *testing.T) {
 				resource.TestCheckResourceAttr("berth_join_policy.lab", "images.#", "2"),
 				nodesReady(ctx, dir, "cp-0", "worker-0"),
 				noSecretsInState(t, root, tfDirs),
+				labHealthy(t, root, "worker-0"),
 			),
 		},
 		// The policy drops berthlab-b; the join service has it before the next step boots a node of it.
@@ -275,6 +278,7 @@ func TestAccLab(t *testing.T) {
 				joinRefused(ctx, dir, "worker-1"),
 				nodesReady(ctx, dir, "cp-0", "worker-0"),
 				noSecretsInState(t, root, tfDirs),
+				labHealthMissing(t, root, "worker-1"),
 				writeKubeconfig(kubeconfigPath),
 			),
 		},

@@ -10,6 +10,7 @@ package provider
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
@@ -88,7 +89,7 @@ func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureReq
 	if !cfg.Kubeconfig.IsNull() && !cfg.Kubeconfig.IsUnknown() {
 		rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(cfg.Kubeconfig.ValueString()))
 		if err != nil {
-			resp.Diagnostics.AddAttributeError(path.Root("kubeconfig"), "Invalid kubeconfig", "The kubeconfig does not parse: "+err.Error())
+			resp.Diagnostics.AddAttributeError(path.Root("kubeconfig"), "Invalid kubeconfig", kubeconfigError(cfg.Kubeconfig.ValueString(), err))
 			return
 		}
 		rc.Timeout = 30 * time.Second
@@ -98,6 +99,27 @@ func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureReq
 		}
 	}
 	resp.ResourceData = data
+	// berth_cluster_health reads the cluster through the same kubeconfig.
+	resp.DataSourceData = data
+}
+
+// kubeconfigError says why a kubeconfig gives the provider no cluster, and what it takes instead. The
+// kubeconfig itself is never shown: it holds the admin's private key.
+func kubeconfigError(given string, err error) string {
+	why := "The kubeconfig does not parse: " + err.Error() + "."
+	switch {
+	case strings.TrimSpace(given) == "":
+		// client-go's own word for it is to set KUBERNETES_MASTER, which the provider never reads.
+		why = "kubeconfig is empty."
+	case clientcmd.IsEmptyConfig(err):
+		why = "The kubeconfig names no cluster."
+	case !strings.Contains(strings.TrimSpace(given), "\n") && !strings.ContainsAny(given, "{[") && !strings.Contains(given, ": "):
+		why = "kubeconfig is one line that is not YAML, such as a file's path: it takes the file's content, " +
+			"`kubeconfig = file(\"<path>\")`."
+	}
+	return why + " Berth needs the admin kubeconfig's content, such as `kubeconfig = berth_cluster.<name>.kubeconfig`, " +
+		"or `file(\"admin.conf\")` for a cluster made elsewhere. Leave kubeconfig unset where no berth_join_policy " +
+		"writes into a cluster."
 }
 
 func (p *berthProvider) Resources(context.Context) []func() resource.Resource {
@@ -105,9 +127,9 @@ func (p *berthProvider) Resources(context.Context) []func() resource.Resource {
 }
 
 func (p *berthProvider) EphemeralResources(context.Context) []func() ephemeral.EphemeralResource {
-	return []func() ephemeral.EphemeralResource{newSecretsEphemeralResource}
+	return []func() ephemeral.EphemeralResource{newSecretsEphemeralResource, newAdminCredentialsEphemeralResource}
 }
 
 func (p *berthProvider) DataSources(context.Context) []func() datasource.DataSource {
-	return []func() datasource.DataSource{newImageDataSource, newNodeConfigDataSource}
+	return []func() datasource.DataSource{newImageDataSource, newNodeConfigDataSource, newClusterHealthDataSource}
 }
