@@ -85,7 +85,7 @@ func TestConfigure(t *testing.T) {
 		want string
 	}{
 		{map[string]any{}, "image_name is required"},
-		{map[string]any{"image_name": "Berth"}, "image_name: name has 'B' at position 0"},
+		{map[string]any{"image_name": "Berth"}, `image_name: name "Berth" has 'B' at position 0`},
 		{map[string]any{"image_name": "berth-2026-11-22"}, ""},
 	} {
 		p := &PostProcessor{}
