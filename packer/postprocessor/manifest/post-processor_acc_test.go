@@ -127,7 +127,7 @@ func TestAccManifest(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			if !strings.Contains(string(log), `image_name: name "Berth" has 'B' at position 0`) {
+			if !strings.Contains(string(log), `image_name: name "Berth_Test" has 'B' at position 0`) {
 				return fmt.Errorf("the build failed without naming the bad image_name (see %s)", logfile)
 			}
 			return nil
