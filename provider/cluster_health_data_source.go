@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/diskrecord"
 )
 
 const (
@@ -38,15 +39,6 @@ const (
 // often finds it healthy within seconds, then at most every 10 s, so that a 10-minute wait costs the API
 // server about a hundred small requests.
 var healthPolling = backoff.Policy{Initial: time.Second, Max: 10 * time.Second}
-
-// The join service's record of a machine it admitted: a ConfigMap per state disk in kube-system, named
-// berth-disk-<uuid>, labelled as Berth's and annotated with the machine's name (written by
-// nodeagent/internal/joinservice, KubeDisks.Claim, which the provider cannot import).
-const (
-	diskRecordPrefix         = "berth-disk-"
-	diskRecordNameAnnotation = "berth.dev/instance-name"
-	diskRecordSelector       = "app.kubernetes.io/managed-by=berth"
-)
 
 // joinLogHint is what the API does not hold: the join service keeps its refusals in its log only.
 const joinLogHint = "Berth's join service keeps the reason it refuses a machine in its log only, not in the cluster: " +
@@ -609,14 +601,14 @@ func admittedMachines(ctx context.Context, kube kubernetes.Interface) (map[strin
 	// The wait's deadline has passed, not Terraform's: the diagnosis gets a look of its own.
 	ctx, cancel := context.WithTimeout(ctx, healthLookTimeout)
 	defer cancel()
-	list, err := kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{LabelSelector: diskRecordSelector})
+	list, err := kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{LabelSelector: diskrecord.Selector})
 	if err != nil {
 		return nil, err
 	}
 	admitted := map[string]time.Time{}
 	for _, cm := range list.Items {
-		name := cm.Annotations[diskRecordNameAnnotation]
-		if !strings.HasPrefix(cm.Name, diskRecordPrefix) || name == "" {
+		name := cm.Annotations[diskrecord.InstanceNameAnnotation]
+		if !strings.HasPrefix(cm.Name, diskrecord.Prefix) || name == "" {
 			continue
 		}
 		if at, ok := admitted[name]; !ok || cm.CreationTimestamp.Time.Before(at) {

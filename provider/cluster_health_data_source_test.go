@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/test/kubetest"
 )
@@ -283,9 +284,9 @@ func putDiskRecord(t *testing.T, kube kubernetes.Interface, disk, machine string
 	t.Helper()
 	_, err := kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).Create(context.Background(), &corev1.ConfigMap{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:        diskRecordPrefix + disk,
-			Labels:      map[string]string{"app.kubernetes.io/managed-by": "berth"},
-			Annotations: map[string]string{diskRecordNameAnnotation: machine},
+			Name:        diskrecord.Name(disk),
+			Labels:      map[string]string{diskrecord.ManagedByLabel: diskrecord.ManagedBy},
+			Annotations: map[string]string{diskrecord.InstanceNameAnnotation: machine},
 		},
 		Data: map[string]string{"ek-sha256": "00"},
 	}, metav1.CreateOptions{})

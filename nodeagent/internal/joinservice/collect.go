@@ -11,6 +11,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -32,10 +33,10 @@ func (k *KubeDisks) Collect(ctx context.Context, lookup InstanceLookup, retentio
 	var removed []string
 	var errs []error
 	for _, r := range records.Items {
-		if !strings.HasPrefix(r.Name, diskObjectPrefix) {
+		if !strings.HasPrefix(r.Name, diskrecord.Prefix) {
 			continue
 		}
-		disk := strings.TrimPrefix(r.Name, diskObjectPrefix)
+		disk := strings.TrimPrefix(r.Name, diskrecord.Prefix)
 		present, err := instancePresent(ctx, lookup, r.Annotations[instanceNameAnnotation], r.Annotations[instanceAddressesAnnotation])
 		if err != nil {
 			errs = append(errs, fmt.Errorf("disk %s: %w", disk, err))

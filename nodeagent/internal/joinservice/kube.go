@@ -18,6 +18,7 @@ import (
 	bootstraputil "k8s.io/cluster-bootstrap/token/util"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -84,15 +85,11 @@ type KubeDisks struct {
 
 const diskOwnerKey = "ek-sha256"
 
-const diskObjectPrefix = "berth-disk-"
-
-func diskObjectName(disk string) string { return diskObjectPrefix + disk }
-
 // The records of a node: its disks and its bootstrap tokens. Node names may be longer than a label value,
 // so the label holds a hash; the annotation the name.
 const (
 	instanceLabel               = "berth.dev/instance"
-	instanceNameAnnotation      = "berth.dev/instance-name"
+	instanceNameAnnotation      = diskrecord.InstanceNameAnnotation
 	instanceAddressesAnnotation = "berth.dev/instance-addresses"
 	absentSinceAnnotation       = "berth.dev/instance-absent-since"
 )
@@ -113,10 +110,10 @@ func (k *KubeDisks) Claim(ctx context.Context, disk, ek string, inst *metadata.I
 		addrs[i] = a.String()
 	}
 	labels := instanceLabels(inst.Name)
-	labels["app.kubernetes.io/managed-by"] = "berth"
+	labels[diskrecord.ManagedByLabel] = diskrecord.ManagedBy
 	cm := &corev1.ConfigMap{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: diskObjectName(disk), Namespace: Namespace, Labels: labels,
+			Name: diskrecord.Name(disk), Namespace: Namespace, Labels: labels,
 			Annotations: map[string]string{instanceNameAnnotation: inst.Name, instanceAddressesAnnotation: strings.Join(addrs, ",")},
 		},
 		Data: map[string]string{diskOwnerKey: ek},
@@ -133,7 +130,7 @@ func (k *KubeDisks) Claim(ctx context.Context, disk, ek string, inst *metadata.I
 	} else if err != nil {
 		return fmt.Errorf("recording owner of disk %s: %w", disk, err)
 	}
-	return k.forgetOtherDisks(ctx, inst.Name, diskObjectName(disk))
+	return k.forgetOtherDisks(ctx, inst.Name, diskrecord.Name(disk))
 }
 
 // forgetOtherDisks removes the records of node's disks other than keep.
@@ -143,12 +140,12 @@ func (k *KubeDisks) forgetOtherDisks(ctx context.Context, node, keep string) err
 		return fmt.Errorf("listing the disk records of %s: %w", node, err)
 	}
 	for _, r := range records.Items {
-		if r.Name == keep || !strings.HasPrefix(r.Name, diskObjectPrefix) {
+		if r.Name == keep || !strings.HasPrefix(r.Name, diskrecord.Prefix) {
 			continue
 		}
 		err := k.Client.CoreV1().ConfigMaps(Namespace).Delete(ctx, r.Name, metav1.DeleteOptions{})
 		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("removing the record of %s's earlier disk %s: %w", node, strings.TrimPrefix(r.Name, diskObjectPrefix), err)
+			return fmt.Errorf("removing the record of %s's earlier disk %s: %w", node, strings.TrimPrefix(r.Name, diskrecord.Prefix), err)
 		}
 	}
 	return nil
@@ -156,7 +153,7 @@ func (k *KubeDisks) forgetOtherDisks(ctx context.Context, node, keep string) err
 
 // Owner implements DiskRegistry.
 func (k *KubeDisks) Owner(ctx context.Context, disk string) (string, error) {
-	cm, err := k.Client.CoreV1().ConfigMaps(Namespace).Get(ctx, diskObjectName(disk), metav1.GetOptions{})
+	cm, err := k.Client.CoreV1().ConfigMaps(Namespace).Get(ctx, diskrecord.Name(disk), metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return "", ErrDiskUnknown
 	}
