@@ -2,8 +2,10 @@
 //
 // Nodes retry the join service, the metadata server and the cloud API while they boot; full
 // jitter (a delay drawn uniformly from [0, ceiling]) keeps a fleet started by one autoscaling
-// event from hammering the service in lockstep. The sleeper and the random source are passed in
-// so that the retry logic can be tested without waiting.
+// event from hammering the service in lockstep. Backing off is for a server that answered and
+// could not serve: a try that nothing answered (a refused connection: no process listens yet)
+// cost the server nothing, so it is repeated soon, and does not grow the backoff. The sleeper and
+// the random source are passed in so that the retry logic can be tested without waiting.
 package backoff
 
 import (
@@ -66,6 +68,21 @@ func (p Policy) Delay(attempt int, rnd func() float64) time.Duration {
 	return time.Duration(f)
 }
 
+// Soon returns how long to wait after a try that nothing answered: a draw from [Initial/2,
+// Initial], so that a fleet waiting for a server that is not up yet finds it within Initial of its
+// start, without all of it trying in the same instant. rnd is as for Delay.
+func (p Policy) Soon(rnd func() float64) time.Duration {
+	if rnd == nil {
+		rnd = rand.Float64
+	}
+	initial := p.withDefaults().Initial
+	r := rnd()
+	if !(r > 0) {
+		r = 0
+	}
+	return initial/2 + time.Duration(min(r, 1)*float64(initial/2))
+}
+
 // Sleeper waits for d or until ctx ends, whichever comes first; it returns ctx.Err() when ctx
 // ended first.
 type Sleeper func(ctx context.Context, d time.Duration) error
@@ -87,7 +104,8 @@ func Sleep(ctx context.Context, d time.Duration) error {
 
 // Retry calls op until it returns nil or a Permanent error, or until ctx ends. After each failure
 // it calls notify (when not nil) with the number of tries so far (from 1), the error and the delay
-// before the next try. The first try runs at once.
+// before the next try. The first try runs at once. A try whose error is Unanswered is repeated
+// after Soon, and only the other failures count towards the backoff's growth.
 //
 // When ctx ends, the returned error wraps both ctx's error and the last error from op, so
 // errors.Is matches either. A Permanent error is returned as it is. A nil sleep means Sleep; a
@@ -99,6 +117,7 @@ func Retry(ctx context.Context, p Policy, sleep Sleeper, rnd func() float64, op 
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	answered := 0
 	for attempt := 1; ; attempt++ {
 		err := op(ctx)
 		if err == nil {
@@ -107,7 +126,13 @@ func Retry(ctx context.Context, p Policy, sleep Sleeper, rnd func() float64, op 
 		if IsPermanent(err) {
 			return err
 		}
-		next := p.Delay(attempt, rnd)
+		var next time.Duration
+		if IsUnanswered(err) {
+			next = p.Soon(rnd)
+		} else {
+			answered++
+			next = p.Delay(answered, rnd)
+		}
 		if notify != nil {
 			notify(attempt, err, next)
 		}
@@ -133,6 +158,28 @@ func Permanent(err error) error {
 		return nil
 	}
 	return &permanentError{err: err}
+}
+
+type unansweredError struct {
+	err error
+}
+
+func (e *unansweredError) Error() string { return e.err.Error() }
+func (e *unansweredError) Unwrap() error { return e.err }
+
+// Unanswered marks err as a try that reached no server at all, such as a refused connection:
+// Retry repeats it soon, without backing off. Unanswered(nil) is nil.
+func Unanswered(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &unansweredError{err: err}
+}
+
+// IsUnanswered reports whether err, or any error it wraps, was marked by Unanswered.
+func IsUnanswered(err error) bool {
+	var u *unansweredError
+	return errors.As(err, &u)
 }
 
 // IsPermanent reports whether err, or any error it wraps, was marked by Permanent.

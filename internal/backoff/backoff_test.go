@@ -3,7 +3,9 @@ package backoff
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
+	"slices"
 	"testing"
 	"time"
 )
@@ -298,5 +300,79 @@ func TestPermanent(t *testing.T) {
 	}
 	if IsPermanent(base) || IsPermanent(nil) {
 		t.Fatal("IsPermanent true for an unmarked error")
+	}
+}
+
+func TestSoon(t *testing.T) {
+	p := Policy{Initial: 200 * time.Millisecond, Max: time.Minute}
+	for _, tt := range []struct {
+		name string
+		p    Policy
+		rnd  func() float64
+		want time.Duration
+	}{
+		{"zero draw is half of initial", p, func() float64 { return 0 }, 100 * time.Millisecond},
+		{"half draw", p, half, 150 * time.Millisecond},
+		{"draw of 1 is initial", p, func() float64 { return 1 }, 200 * time.Millisecond},
+		{"draw above 1 clamps", p, func() float64 { return 9 }, 200 * time.Millisecond},
+		{"NaN draw is half of initial", p, math.NaN, 100 * time.Millisecond},
+		{"defaults", Policy{}, half, 187500 * time.Microsecond},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := tt.p.Soon(tt.rnd); got != tt.want {
+				t.Fatalf("Soon = %v, want %v", got, tt.want)
+			}
+		})
+	}
+	for range 100 {
+		if got := p.Soon(nil); got < 100*time.Millisecond || got > 200*time.Millisecond {
+			t.Fatalf("Soon(nil) = %v, want within [100ms, 200ms]", got)
+		}
+	}
+}
+
+// Tries that nothing answered are repeated soon and leave the backoff where the answered failures put it.
+func TestRetryUnansweredDoesNotBackOff(t *testing.T) {
+	var rec recorder
+	p := Policy{Initial: 100 * time.Millisecond, Max: time.Second}
+	errRefused := errors.New("connection refused")
+	errBusy := errors.New("unavailable")
+	outcomes := []error{Unanswered(errRefused), Unanswered(errRefused), Unanswered(errRefused), errBusy, errBusy,
+		Unanswered(errRefused), errBusy, nil}
+	var attempts []int
+	calls := 0
+	err := Retry(context.Background(), p, rec.sleep, half, func(context.Context) error {
+		calls++
+		return outcomes[calls-1]
+	}, func(attempt int, err error, next time.Duration) {
+		attempts = append(attempts, attempt)
+		if IsUnanswered(err) != errors.Is(err, errRefused) {
+			t.Errorf("try %d: notify got %v, unanswered %v", attempt, err, IsUnanswered(err))
+		}
+	})
+	if err != nil {
+		t.Fatalf("Retry: %v", err)
+	}
+	soon := 75 * time.Millisecond
+	want := []time.Duration{soon, soon, soon, 50 * time.Millisecond, 100 * time.Millisecond, soon, 200 * time.Millisecond}
+	if !slices.Equal(rec.delays, want) {
+		t.Fatalf("sleeps = %v, want %v", rec.delays, want)
+	}
+	if !slices.Equal(attempts, []int{1, 2, 3, 4, 5, 6, 7}) {
+		t.Fatalf("notify attempts = %v, want every try counted", attempts)
+	}
+}
+
+func TestUnanswered(t *testing.T) {
+	if Unanswered(nil) != nil {
+		t.Fatal("Unanswered(nil) != nil")
+	}
+	base := errors.New("connection refused")
+	u := Unanswered(base)
+	if !IsUnanswered(u) || !errors.Is(u, base) || u.Error() != base.Error() || IsPermanent(u) {
+		t.Fatalf("Unanswered(%v) = %v: IsUnanswered %v, Is %v, IsPermanent %v", base, u, IsUnanswered(u), errors.Is(u, base), IsPermanent(u))
+	}
+	if !IsUnanswered(fmt.Errorf("endpoint a: %w", u)) || IsUnanswered(base) {
+		t.Fatal("IsUnanswered does not follow wrapping, or marks an unmarked error")
 	}
 }

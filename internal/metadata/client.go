@@ -63,14 +63,18 @@ func (c *Client) Self(ctx context.Context) (*Self, error) {
 }
 
 // Instances returns every record the service holds.
-func (c *Client) Instances(ctx context.Context) ([]Instance, error) {
+func (c *Client) ControlPlanes(ctx context.Context) ([]Instance, error) {
 	var instances []Instance
-	if err := c.get(ctx, PathInstances, nil, &instances); err != nil {
-		return nil, fmt.Errorf("listing instances: %w", err)
+	if err := c.get(ctx, PathInstances, url.Values{"role": {string(RoleControlPlane)}}, &instances); err != nil {
+		return nil, fmt.Errorf("listing control-plane instances: %w", err)
 	}
 	for i, inst := range instances {
 		if err := inst.Validate(); err != nil {
-			return nil, fmt.Errorf("listing instances: record %d: %w", i, err)
+			return nil, fmt.Errorf("listing control-plane instances: record %d: %w", i, err)
+		}
+		// Endpoints are taken from this list: never one of another role.
+		if inst.Role != RoleControlPlane {
+			return nil, fmt.Errorf("listing control-plane instances: service answered with %q, whose role is %q", inst.Name, inst.Role)
 		}
 	}
 	return instances, nil

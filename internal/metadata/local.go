@@ -73,8 +73,8 @@ func (l *Local) Self(context.Context) (*Self, error) {
 	return self, nil
 }
 
-// Instances implements the node's metadata reader: a node without a metadata service knows no other.
-func (l *Local) Instances(context.Context) ([]Instance, error) { return nil, nil }
+// ControlPlanes implements the node's metadata reader: a node without a metadata service knows no other.
+func (l *Local) ControlPlanes(context.Context) ([]Instance, error) { return nil, nil }
 
 // routeTo is the local address the kernel picks for a connection to endpoint; no packet is sent.
 func routeTo(endpoint string) (netip.Addr, error) {

@@ -54,7 +54,7 @@ func TestLocalSelf(t *testing.T) {
 	if self, err := l.Self(context.Background()); err != nil || self.Instance.Addresses[0] != l.Address {
 		t.Errorf("configured address: %+v, %v", self, err)
 	}
-	if insts, err := l.Instances(context.Background()); err != nil || len(insts) != 0 {
+	if insts, err := l.ControlPlanes(context.Background()); err != nil || len(insts) != 0 {
 		t.Errorf("Instances = %v, %v; a node without metadata knows no other", insts, err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"sync/atomic"
 )
 
@@ -103,17 +104,17 @@ func (s *Server) serveSelf(w http.ResponseWriter, r *http.Request, st *serverSta
 func (s *Server) serveInstances(w http.ResponseWriter, r *http.Request, st *serverState) {
 	q := r.URL.Query()
 	for k := range q {
-		if k != "address" {
+		if k != "address" && k != "role" {
 			writeJSON(w, http.StatusBadRequest, errorBody{Error: "unknown query parameter " + k})
 			return
 		}
 	}
+	if q.Has("address") && q.Has("role") {
+		writeJSON(w, http.StatusBadRequest, errorBody{Error: "ask by address or by role, not both"})
+		return
+	}
 	if !q.Has("address") {
-		instances := st.doc.Instances
-		if instances == nil {
-			instances = []Instance{}
-		}
-		writeJSON(w, http.StatusOK, instances)
+		s.serveList(w, q, st)
 		return
 	}
 	if len(q["address"]) != 1 {
@@ -134,6 +135,30 @@ func (s *Server) serveInstances(w http.ResponseWriter, r *http.Request, st *serv
 	}
 	s.logger.Debug("metadata lookup served", "address", addr, "instance", inst.Name, "remote", r.RemoteAddr)
 	writeJSON(w, http.StatusOK, inst)
+}
+
+// serveList answers the list of instances, or with ?role= those of one role: nodes ask for the control-plane
+// instances at every join attempt, and a list of every node of a large cluster would cost each of them
+// (and the service) in proportion to the cluster's size.
+func (s *Server) serveList(w http.ResponseWriter, q url.Values, st *serverState) {
+	instances := st.doc.Instances
+	if q.Has("role") {
+		if len(q["role"]) != 1 {
+			writeJSON(w, http.StatusBadRequest, errorBody{Error: "role is given more than once"})
+			return
+		}
+		role := Role(q.Get("role"))
+		instances = nil
+		for _, inst := range st.doc.Instances {
+			if inst.Role == role {
+				instances = append(instances, inst)
+			}
+		}
+	}
+	if instances == nil {
+		instances = []Instance{}
+	}
+	writeJSON(w, http.StatusOK, instances)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

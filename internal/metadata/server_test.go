@@ -1,14 +1,17 @@
 package metadata
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -100,24 +103,63 @@ func TestServerKeepsItsOwnCopy(t *testing.T) {
 	}
 }
 
-func TestClientInstances(t *testing.T) {
+func TestClientControlPlanes(t *testing.T) {
 	doc := labDocument()
 	_, ts := startServer(t, doc)
-	got, err := (&Client{BaseURL: ts.URL}).Instances(t.Context())
+	got, err := (&Client{BaseURL: ts.URL}).ControlPlanes(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !reflect.DeepEqual(got, doc.Instances) {
-		t.Errorf("Instances() = %+v, want %+v", got, doc.Instances)
+	if want := doc.Instances[:1]; !reflect.DeepEqual(got, want) {
+		t.Errorf("ControlPlanes() = %+v, want %+v", got, want)
 	}
 
 	_, empty := startServer(t, &Document{UserData: doc.UserData})
-	got, err = (&Client{BaseURL: empty.URL}).Instances(t.Context())
+	got, err = (&Client{BaseURL: empty.URL}).ControlPlanes(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(got) != 0 {
-		t.Errorf("Instances() of an empty service = %+v", got)
+		t.Errorf("ControlPlanes() of an empty service = %+v", got)
+	}
+}
+
+// A service that answers the role query with a worker must not make a worker a join endpoint.
+func TestClientControlPlanesRefusesOtherRoles(t *testing.T) {
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("role") != string(RoleControlPlane) {
+			t.Errorf("asked %q, want role=control-plane", r.URL.RawQuery)
+		}
+		json.NewEncoder(w).Encode(labDocument().Instances)
+	}))
+	t.Cleanup(ts.Close)
+	_, err := (&Client{BaseURL: ts.URL}).ControlPlanes(t.Context())
+	checkErr(t, err, `service answered with "w-0", whose role is "worker"`)
+}
+
+func TestServerListsByRole(t *testing.T) {
+	_, ts := startServer(t, labDocument())
+	for _, tt := range []struct {
+		query string
+		code  int
+		want  string
+	}{
+		{"", http.StatusOK, `"cp-0".*"w-0"`},
+		{"?role=worker", http.StatusOK, `^\[\{"name":"w-0"`},
+		{"?role=control-plane", http.StatusOK, `^\[\{"name":"cp-0"`},
+		{"?role=boss", http.StatusOK, `^\[\]$`},
+		{"?role=worker&role=worker", http.StatusBadRequest, "more than once"},
+		{"?role=worker&address=127.0.0.3", http.StatusBadRequest, "not both"},
+	} {
+		resp, err := http.Get(ts.URL + PathInstances + tt.query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tt.code || !regexp.MustCompile(tt.want).Match(bytes.TrimSpace(body)) {
+			t.Errorf("GET %s: %d %s, want %d matching %s", tt.query, resp.StatusCode, body, tt.code, tt.want)
+		}
 	}
 }
 
@@ -249,7 +291,7 @@ func TestClientRefusesBadResponses(t *testing.T) {
 			status: http.StatusOK,
 			body:   `[` + strings.Repeat(" ", MaxDocumentSize) + `]`,
 			call: func(c *Client) error {
-				_, err := c.Instances(t.Context())
+				_, err := c.ControlPlanes(t.Context())
 				return err
 			},
 			wantErr: "larger than 1048576 bytes",
@@ -289,7 +331,7 @@ func TestClientRefusesBadResponses(t *testing.T) {
 			status: http.StatusInternalServerError,
 			body:   `{"error":"disk on fire"}`,
 			call: func(c *Client) error {
-				_, err := c.Instances(t.Context())
+				_, err := c.ControlPlanes(t.Context())
 				return err
 			},
 			wantErr: "answered 500 Internal Server Error: disk on fire",
@@ -299,7 +341,7 @@ func TestClientRefusesBadResponses(t *testing.T) {
 			status: http.StatusOK,
 			body:   `<html>`,
 			call: func(c *Client) error {
-				_, err := c.Instances(t.Context())
+				_, err := c.ControlPlanes(t.Context())
 				return err
 			},
 			wantErr: "decoding response",
@@ -355,7 +397,7 @@ func TestClientBadConfiguration(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := tt.client.Instances(t.Context())
+			_, err := tt.client.ControlPlanes(t.Context())
 			checkErr(t, err, tt.wantErr)
 		})
 	}

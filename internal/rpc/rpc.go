@@ -75,6 +75,13 @@ func PinnedTLS(pin string, now func() time.Time) (*tls.Config, error) {
 // DialOptions are the client options matching ServerOptions, with a dialer that can bind a source address
 // (several lab nodes share one host's loopback) and tls for transport security.
 func DialOptions(tlsCfg *tls.Config, localAddr netip.Addr) []grpc.DialOption {
+	return ObservedDialOptions(tlsCfg, localAddr, nil)
+}
+
+// ObservedDialOptions are DialOptions whose dialer tells dialed (when not nil) the outcome of each TCP
+// connection attempt, before gRPC sees it: a client can tell a server that refused the connection (nothing
+// listens) from one that answered, which gRPC's status does not say in a form one can test.
+func ObservedDialOptions(tlsCfg *tls.Config, localAddr netip.Addr, dialed func(error)) []grpc.DialOption {
 	d := &net.Dialer{Timeout: 10 * time.Second}
 	if localAddr.IsValid() {
 		d.LocalAddr = &net.TCPAddr{IP: localAddr.AsSlice()}
@@ -82,7 +89,11 @@ func DialOptions(tlsCfg *tls.Config, localAddr netip.Addr) []grpc.DialOption {
 	return []grpc.DialOption{
 		grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg)),
 		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
-			return d.DialContext(ctx, "tcp", addr)
+			conn, err := d.DialContext(ctx, "tcp", addr)
+			if dialed != nil {
+				dialed(err)
+			}
+			return conn, err
 		}),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxMessageSize), grpc.MaxCallSendMsgSize(MaxMessageSize)),
 	}

@@ -118,11 +118,10 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		names:  []string{self.Instance.Name}, ips: ips,
 		kube: kube, policyFile: a.cfg.PolicyFile, policyConfigMap: a.cfg.PolicyConfigMap,
 		initialPolicy: a.publishInitialPolicy, followPolicy: a.followPolicy(log), log: log,
-		metrics: tel.metrics, health: tel.server,
+		metrics: tel.metrics, health: tel.server, bootstrapTokens: true,
 	}, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         instances,
-		Tokens:            &joinservice.KubeTokens{Client: kube},
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
 		KubernetesCA:      kubeCA,
@@ -154,6 +153,8 @@ type joinServer struct {
 	// health server, which it makes ready once the service is.
 	metrics *telemetry.Metrics
 	health  *telemetry.Server
+	// bootstrapTokens: the service's tickets carry kubeadm bootstrap tokens (the kubeadm join method).
+	bootstrapTokens bool
 }
 
 // serveJoins runs a join service with cfg (its policy from s) until ctx ends.
@@ -190,7 +191,14 @@ func serveJoins(ctx context.Context, s joinServer, cfg joinservice.Config) error
 		}()
 	}
 	cfg.Policy = store
-	disks := &joinservice.KubeDisks{Client: s.kube}
+	records, err := joinservice.WatchNodeRecords(ctx, s.kube, s.bootstrapTokens)
+	if err != nil {
+		return fmt.Errorf("watching the nodes' records: %w", err)
+	}
+	if s.bootstrapTokens {
+		cfg.Tokens = &joinservice.KubeTokens{Client: s.kube, Records: records}
+	}
+	disks := &joinservice.KubeDisks{Client: s.kube, Records: records}
 	cfg.Disks = disks
 	go collectDiskRecords(ctx, disks, cfg.Instances, s.log)
 	svc, err := joinservice.New(cfg)

@@ -22,6 +22,8 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
@@ -46,7 +48,8 @@ type Prover interface {
 // Metadata is the node's view of its instance metadata (metadata.Client).
 type Metadata interface {
 	Self(ctx context.Context) (*metadata.Self, error)
-	Instances(ctx context.Context) ([]metadata.Instance, error)
+	// ControlPlanes lists the control-plane instances, where join services may answer.
+	ControlPlanes(ctx context.Context) ([]metadata.Instance, error)
 }
 
 // Disk is the state disk (statedisk.Disk).
@@ -337,7 +340,7 @@ func (c *Client) self(ctx context.Context) (*metadata.Self, error) {
 // instance. A source that fails is a warning; having no endpoint at all is the error.
 func (c *Client) endpoints(ctx context.Context, log *slog.Logger, self *metadata.Self) ([]string, error) {
 	eps := slices.Clone(self.UserData.JoinEndpoints)
-	instances, err := c.cfg.Metadata.Instances(ctx)
+	instances, err := c.cfg.Metadata.ControlPlanes(ctx)
 	if err != nil {
 		log.Warn("listing control-plane instances failed; using the configured endpoints only", "error", err)
 	}
@@ -363,8 +366,17 @@ func (c *Client) endpoints(ctx context.Context, log *slog.Logger, self *metadata
 
 type opener func(berthv1.JoinServiceClient, context.Context, ...grpc.CallOption) (bidi, error)
 
-// request runs one kind of exchange against every endpoint once per attempt, backing off between attempts,
-// until an answer that has what valid wants arrives.
+// errNotListening marks a try whose connection was refused: nothing listens at the endpoint yet.
+var errNotListening = errors.New("nothing listens there yet")
+
+// notListeningLogEvery spaces the log lines of tries that no endpoint answered: they repeat every few hundred
+// milliseconds while a control plane comes up, which can take minutes.
+const notListeningLogEvery = 10 * time.Second
+
+// request runs one kind of exchange against every endpoint once per attempt, until an answer that has what
+// valid wants arrives. It backs off between attempts that an endpoint answered, and tries again soon when
+// every endpoint refused the connection: a refusal costs a service that is not up yet nothing, and a node
+// that waits for it should find it as soon as it listens.
 func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.Self, what string, open opener,
 	build func(*berthv1.Evidence) *berthv1.JoinClientMessage, valid func(*berthv1.JoinServerMessage) bool) (*berthv1.JoinServerMessage, error) {
 	tlsCfg, err := rpc.PinnedTLS(self.UserData.JoinCAPin, c.cfg.Clock)
@@ -372,14 +384,20 @@ func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.S
 		return nil, err
 	}
 	var answer *berthv1.JoinServerMessage
+	var lastNotListening time.Time
 	err = backoff.Retry(ctx, c.cfg.Backoff, c.cfg.Sleep, c.cfg.Rand, func(ctx context.Context) error {
 		eps, err := c.endpoints(ctx, log, self)
 		if err != nil {
 			return err
 		}
-		var errs []error
+		type failure struct {
+			endpoint string
+			err      error
+		}
+		failures := make([]failure, 0, len(eps))
+		listening := false
 		for _, ep := range eps {
-			msg, err := c.try(ctx, ep, tlsCfg, open, build)
+			msg, err := c.try(ctx, log, ep, tlsCfg, open, build)
 			if err == nil && !valid(msg) {
 				err = fmt.Errorf("join service answered without a %s", what)
 			}
@@ -387,12 +405,31 @@ func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.S
 				answer = msg
 				return nil
 			}
-			log.Warn("requesting "+what, "endpoint", ep, "error", err)
-			errs = append(errs, fmt.Errorf("%s: %w", ep, err))
+			listening = listening || !errors.Is(err, errNotListening)
+			failures = append(failures, failure{ep, err})
+		}
+		errs := make([]error, len(failures))
+		for i, f := range failures {
+			errs[i] = fmt.Errorf("%s: %w", f.endpoint, f.err)
+			if listening {
+				log.Warn("requesting "+what, "endpoint", f.endpoint, "error", f.err)
+			}
+		}
+		if !listening {
+			return backoff.Unanswered(errors.Join(errs...))
 		}
 		return errors.Join(errs...)
 	}, func(attempt int, err error, next time.Duration) {
-		log.Info("retrying "+what, "attempt", attempt, "retry_in", next.Round(time.Millisecond))
+		if !backoff.IsUnanswered(err) {
+			lastNotListening = time.Time{}
+			log.Info("retrying "+what, "attempt", attempt, "retry_in", next.Round(time.Millisecond))
+			return
+		}
+		if now := c.cfg.Clock(); now.Sub(lastNotListening) >= notListeningLogEvery {
+			lastNotListening = now
+			log.Info("no join service listens yet; trying again soon, without backing off", "attempt", attempt,
+				"retry_in", next.Round(time.Millisecond), "error", err)
+		}
 	})
 	if err != nil {
 		return nil, fmt.Errorf("requesting %s: %w", what, err)
@@ -400,19 +437,30 @@ func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.S
 	return answer, nil
 }
 
-// try runs one exchange on a new connection to endpoint.
-func (c *Client) try(ctx context.Context, endpoint string, tlsCfg *tls.Config, open opener, build func(*berthv1.Evidence) *berthv1.JoinClientMessage) (*berthv1.JoinServerMessage, error) {
+// try runs one exchange on a new connection to endpoint. Its error wraps errNotListening when the endpoint
+// refused the connection.
+func (c *Client) try(ctx context.Context, log *slog.Logger, endpoint string, tlsCfg *tls.Config, open opener, build func(*berthv1.Evidence) *berthv1.JoinClientMessage) (*berthv1.JoinServerMessage, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	defer cancel()
-	conn, err := grpc.NewClient(endpoint, rpc.DialOptions(tlsCfg, c.cfg.LocalAddr)...)
+	var refused atomic.Bool
+	conn, err := grpc.NewClient(endpoint, rpc.ObservedDialOptions(tlsCfg, c.cfg.LocalAddr, func(err error) {
+		if err == nil {
+			log.Debug("connected to the join service", "endpoint", endpoint)
+		}
+		refused.Store(errors.Is(err, syscall.ECONNREFUSED))
+	})...)
 	if err != nil {
 		return nil, err
 	}
 	defer conn.Close()
 	client := berthv1.NewJoinServiceClient(conn)
-	return c.exchange(ctx, func(ctx context.Context, opts ...grpc.CallOption) (bidi, error) {
+	msg, err := c.exchange(ctx, func(ctx context.Context, opts ...grpc.CallOption) (bidi, error) {
 		return open(client, ctx, opts...)
 	}, build)
+	if err != nil && refused.Load() {
+		return nil, fmt.Errorf("%w: %w", errNotListening, err)
+	}
+	return msg, err
 }
 
 type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]

@@ -36,7 +36,7 @@ func (m *fakeMetadata) Self(context.Context) (*metadata.Self, error) {
 	return &s, nil
 }
 
-func (m *fakeMetadata) Instances(context.Context) ([]metadata.Instance, error) {
+func (m *fakeMetadata) ControlPlanes(context.Context) ([]metadata.Instance, error) {
 	if m.onInstances != nil {
 		m.onInstances()
 	}
@@ -179,6 +179,26 @@ func freeAddr(t *testing.T) string {
 	addr := l.Addr().String()
 	l.Close()
 	return addr
+}
+
+// closingEndpoint accepts connections and closes them at once, like a service that cannot serve.
+func closingEndpoint(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	return l.Addr().String()
 }
 
 // hungEndpoint accepts connections and never answers, like a service stuck before its TLS handshake. It
@@ -345,6 +365,7 @@ func TestStopWithoutJoin(t *testing.T) {
 	New(Config{}).Stop()
 }
 
+// An endpoint that answers and fails (here: closes the connection before TLS) makes the node back off.
 func TestJoinBackoff(t *testing.T) {
 	const sleeps = 8
 	var mu sync.Mutex
@@ -365,7 +386,7 @@ func TestJoinBackoff(t *testing.T) {
 		}
 		return nil
 	}
-	meta := &fakeMetadata{self: selfWith(freeAddr(t)), onInstances: func() { record("attempt") }}
+	meta := &fakeMetadata{self: selfWith(closingEndpoint(t)), onInstances: func() { record("attempt") }}
 	// A jitter draw just below 1 makes each delay its ceiling.
 	c, _, _ := newJoiner(t, meta, sleep, func() float64 { return 0.999999 })
 
@@ -397,5 +418,60 @@ func TestJoinBackoff(t *testing.T) {
 	}
 	if !slices.Equal(delays[len(delays)-3:], []time.Duration{delays[len(delays)-1], delays[len(delays)-1], delays[len(delays)-1]}) {
 		t.Errorf("delays %v do not stay at the cap", delays)
+	}
+}
+
+// recordSleeps is a sleeper that records each delay and, at the n-th, ends the join as a cancellation would.
+func recordSleeps(delays *[]time.Duration, n int) backoff.Sleeper {
+	return func(_ context.Context, d time.Duration) error {
+		*delays = append(*delays, d)
+		if len(*delays) == n {
+			return context.Canceled
+		}
+		return nil
+	}
+}
+
+// Where nothing listens, a node tries again soon instead of backing off, and says so once, not at every try.
+func TestJoinRefusedTriesSoon(t *testing.T) {
+	const sleeps = 12
+	var delays []time.Duration
+	sleep := recordSleeps(&delays, sleeps)
+	c, _, _ := newJoiner(t, &fakeMetadata{self: selfWith(freeAddr(t), freeAddr(t))}, sleep, func() float64 { return 0.999999 })
+	var logs bytes.Buffer
+	c.cfg.Logger = slog.New(slog.NewJSONHandler(&logs, nil))
+
+	_, err := c.Join(context.Background(), testDisk)
+	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("Join: %v, want the sleeper's context.Canceled and the refusal", err)
+	}
+	for i, d := range delays {
+		if d < 50*time.Millisecond || d > 100*time.Millisecond {
+			t.Errorf("delay %d is %v, want within [50ms, 100ms] (Initial/2 to Initial) at every try: delays %v", i, d, delays)
+		}
+	}
+	if n := strings.Count(logs.String(), "no join service listens yet"); n != 1 {
+		t.Errorf("logged %d lines about no listening service in %d tries, want 1:\n%s", n, sleeps, logs.String())
+	}
+	if strings.Contains(logs.String(), `"msg":"requesting join ticket"`) {
+		t.Errorf("every refused try logged a warning:\n%s", logs.String())
+	}
+}
+
+// One endpoint that answers is enough to back off: the refused one may be a control-plane node that is down,
+// while the service that answered is up and busy.
+func TestJoinBacksOffWhenAnyEndpointAnswers(t *testing.T) {
+	const sleeps = 6
+	var delays []time.Duration
+	sleep := recordSleeps(&delays, sleeps)
+	c, _, _ := newJoiner(t, &fakeMetadata{self: selfWith(freeAddr(t), closingEndpoint(t))}, sleep, func() float64 { return 0.999999 })
+	if _, err := c.Join(context.Background(), testDisk); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Join: %v, want the sleeper's context.Canceled", err)
+	}
+	want := []time.Duration{100, 200, 400, 800, 1000, 1000}
+	for i := range want {
+		if d := want[i] * time.Millisecond; delays[i] < d*99/100 || delays[i] > d {
+			t.Fatalf("delays %v, want about %v ms: the backoff's ceilings", delays, want)
+		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
 	bootstraputil "k8s.io/cluster-bootstrap/token/util"
 
@@ -32,6 +33,8 @@ const nodeBootstrapGroup = "system:bootstrappers:kubeadm:default-node-token"
 type KubeTokens struct {
 	Client kubernetes.Interface
 	Clock  func() time.Time
+	// Records, if set, says which earlier tokens a node has, instead of a list request per token.
+	Records *NodeRecords
 }
 
 // Issue creates a token for node that expires after ttl (the token controller deletes it then), and deletes
@@ -66,21 +69,49 @@ func (k *KubeTokens) Issue(ctx context.Context, ttl time.Duration, node string) 
 		return "", time.Time{}, fmt.Errorf("creating bootstrap token secret: %w", err)
 	}
 	// A token left behind lives until it expires; the ticket goes out either way.
-	older, err := k.Client.CoreV1().Secrets(Namespace).List(ctx, instanceSelector(node))
+	older, err := recordsOf(ctx, k.Records, secretsOf, node, func(ctx context.Context) ([]string, error) {
+		list, err := k.Client.CoreV1().Secrets(Namespace).List(ctx, instanceSelector(node))
+		if err != nil {
+			return nil, err
+		}
+		return objectNames(list.Items), nil
+	})
 	if err == nil {
-		for _, o := range older.Items {
-			if o.Name != created.Name {
-				k.Client.CoreV1().Secrets(Namespace).Delete(ctx, o.Name, metav1.DeleteOptions{})
+		for _, name := range older {
+			if name != created.Name {
+				k.Client.CoreV1().Secrets(Namespace).Delete(ctx, name, metav1.DeleteOptions{})
 			}
 		}
 	}
 	return token, expires, nil
 }
 
+// recordsOf names node's records: from the watch in records when it has listed them, else from list.
+func recordsOf(ctx context.Context, records *NodeRecords, inf func(*NodeRecords) cache.SharedIndexInformer, node string,
+	list func(context.Context) ([]string, error)) ([]string, error) {
+	if names, ok := records.names(inf, node); ok {
+		return names, nil
+	}
+	return list(ctx)
+}
+
+func objectNames[T any, PT interface {
+	*T
+	GetName() string
+}](items []T) []string {
+	names := make([]string, len(items))
+	for i := range items {
+		names[i] = PT(&items[i]).GetName()
+	}
+	return names
+}
+
 // KubeDisks records disk owners as one ConfigMap per disk. Create is atomic in the API server, so two
 // TPMs racing for one disk cannot both win.
 type KubeDisks struct {
 	Client kubernetes.Interface
+	// Records, if set, says which other disks a node has, instead of a list request per claim.
+	Records *NodeRecords
 }
 
 const diskOwnerKey = "ek-sha256"
@@ -135,17 +166,23 @@ func (k *KubeDisks) Claim(ctx context.Context, disk, ek string, inst *metadata.I
 
 // forgetOtherDisks removes the records of node's disks other than keep.
 func (k *KubeDisks) forgetOtherDisks(ctx context.Context, node, keep string) error {
-	records, err := k.Client.CoreV1().ConfigMaps(Namespace).List(ctx, instanceSelector(node))
+	records, err := recordsOf(ctx, k.Records, configMapsOf, node, func(ctx context.Context) ([]string, error) {
+		list, err := k.Client.CoreV1().ConfigMaps(Namespace).List(ctx, instanceSelector(node))
+		if err != nil {
+			return nil, err
+		}
+		return objectNames(list.Items), nil
+	})
 	if err != nil {
 		return fmt.Errorf("listing the disk records of %s: %w", node, err)
 	}
-	for _, r := range records.Items {
-		if r.Name == keep || !strings.HasPrefix(r.Name, diskrecord.Prefix) {
+	for _, name := range records {
+		if name == keep || !strings.HasPrefix(name, diskrecord.Prefix) {
 			continue
 		}
-		err := k.Client.CoreV1().ConfigMaps(Namespace).Delete(ctx, r.Name, metav1.DeleteOptions{})
+		err := k.Client.CoreV1().ConfigMaps(Namespace).Delete(ctx, name, metav1.DeleteOptions{})
 		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("removing the record of %s's earlier disk %s: %w", node, strings.TrimPrefix(r.Name, diskrecord.Prefix), err)
+			return fmt.Errorf("removing the record of %s's earlier disk %s: %w", node, strings.TrimPrefix(name, diskrecord.Prefix), err)
 		}
 	}
 	return nil

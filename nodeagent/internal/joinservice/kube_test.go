@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
 	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
 	bootstraputil "k8s.io/cluster-bootstrap/token/util"
 )
@@ -446,4 +447,102 @@ type lookupFunc func(context.Context, netip.Addr) (*metadata.Instance, error)
 
 func (f lookupFunc) InstanceByAddress(ctx context.Context, a netip.Addr) (*metadata.Instance, error) {
 	return f(ctx, a)
+}
+
+// With the records watched, a ticket removes its node's earlier token and disk record as before, and asks
+// the API server for no list: the watch's own first list is the only one.
+func TestNodeRecordsReplaceListsPerTicket(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	client := fake.NewClientset()
+	records, err := WatchNodeRecords(ctx, client, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := &KubeTokens{Client: client, Records: records}
+	disks := &KubeDisks{Client: client, Records: records}
+	w1 := &metadata.Instance{Name: "worker-1", Role: metadata.RoleWorker, Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}
+	// The watch is asynchronous: wait until it shows what a step wrote before the next step relies on it.
+	seen := func(what string, inf func(*NodeRecords) cache.SharedIndexInformer, want int) {
+		t.Helper()
+		waitForWatch(t, "the watch to show "+what, func() bool {
+			got, ok := records.names(inf, w1.Name)
+			return ok && len(got) == want
+		})
+	}
+
+	first, _, err := tokens.Issue(ctx, time.Minute, w1.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := disks.Claim(ctx, testDisk, ekAlice, w1); err != nil {
+		t.Fatal(err)
+	}
+	seen("the token", secretsOf, 1)
+	seen("the disk record", configMapsOf, 1)
+	lists := func() int {
+		n := 0
+		for _, a := range client.Actions() {
+			if a.GetVerb() == "list" {
+				n++
+			}
+		}
+		return n
+	}
+	before := lists()
+	second, _, err := tokens.Issue(ctx, time.Minute, w1.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := disks.Claim(ctx, otherDisk, ekAlice, w1); err != nil {
+		t.Fatal(err)
+	}
+	if n := lists() - before; n != 0 {
+		t.Errorf("a ticket made %d list requests with the records watched, want 0", n)
+	}
+	firstID, _, _ := strings.Cut(first, ".")
+	if _, err := client.CoreV1().Secrets(Namespace).Get(ctx, bootstraputil.BootstrapTokenSecretName(firstID), metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the node's first token: %v, want it removed by its second", err)
+	}
+	secondID, _, _ := strings.Cut(second, ".")
+	if _, err := client.CoreV1().Secrets(Namespace).Get(ctx, bootstraputil.BootstrapTokenSecretName(secondID), metav1.GetOptions{}); err != nil {
+		t.Errorf("the node's second token: %v", err)
+	}
+	if got, want := diskRecords(t, client), []string{otherDisk}; !slices.Equal(got, want) {
+		t.Errorf("disk records %v, want %v: the second disk replaces the first", got, want)
+	}
+}
+
+// A service that issues no tokens watches no Secrets: its role may not allow reading them. Its tokens' lookups
+// fall back to the API server.
+func TestNodeRecordsWithoutTokens(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	client := fake.NewClientset()
+	records, err := WatchNodeRecords(ctx, client, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := records.names(secretsOf, "worker-1"); ok {
+		t.Error("records answered for Secrets without watching them")
+	}
+	waitForWatch(t, "the disk records' watch to list them", func() bool {
+		_, ok := records.names(configMapsOf, "worker-1")
+		return ok
+	})
+	for _, a := range client.Actions() {
+		if a.GetResource().Resource == "secrets" {
+			t.Errorf("%s secrets without issuing tokens", a.GetVerb())
+		}
+	}
+}
+
+// waitForWatch waits, for at most 10 s, until cond holds.
+func waitForWatch(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited 10 s for %s", what)
+		}
+	}
 }

@@ -9,6 +9,7 @@ package joinservice
 
 import (
 	"context"
+	"crypto"
 	"crypto/x509"
 	"encoding/hex"
 	"errors"
@@ -170,6 +171,9 @@ type Server struct {
 	cfg       Config
 	clusterID string
 	caPins    []string
+	// signsWithCA: the service signs kubelet certificates with the Kubernetes CA's own key, checked at New
+	// to be the certificate's, so what it signs needs no check against the CA afterwards.
+	signsWithCA bool
 }
 
 // New checks cfg and derives what every ticket shares.
@@ -213,9 +217,14 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = noMetrics{}
 	}
-	if cfg.KubeletSigner == nil {
+	signsWithCA := cfg.KubeletSigner == nil
+	if signsWithCA {
 		if cfg.KubernetesCA.Key == nil {
 			return nil, errors.New("join service: the Kubernetes CA has no key and no kubelet signer is configured")
+		}
+		pub, ok := cfg.KubernetesCA.Key.Public().(interface{ Equal(crypto.PublicKey) bool })
+		if !ok || !pub.Equal(cfg.KubernetesCA.Cert.PublicKey) {
+			return nil, errors.New("join service: the Kubernetes CA's key is not the one its certificate names")
 		}
 		cfg.KubeletSigner = caSigner{ca: cfg.KubernetesCA, clock: cfg.Clock}
 	}
@@ -226,7 +235,7 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("join service: %w", err)
 	}
-	return &Server{cfg: cfg, clusterID: id, caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}}, nil
+	return &Server{cfg: cfg, clusterID: id, caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}, signsWithCA: signsWithCA}, nil
 }
 
 // exchange is what one attested request established.
@@ -523,6 +532,9 @@ func (s *Server) signKubelet(ctx context.Context, ex *exchange, csr *x509.Certif
 	cert, err := s.cfg.KubeletSigner.SignKubelet(ctx, csr, ex.instance.Name, ipsOf(ex.instance.Addresses))
 	if err != nil {
 		return nil, fmt.Errorf("signing kubelet certificate: %w", err)
+	}
+	if s.signsWithCA {
+		return cert, nil
 	}
 	// Nodes trust the API server and present this certificate by the one CA the ticket names; a remote
 	// signer with another CA would fail every node after it took its ticket.

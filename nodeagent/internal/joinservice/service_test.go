@@ -67,6 +67,13 @@ func TestNewRefusesIncompleteConfig(t *testing.T) {
 		{name: "no master secret", mutate: func(c *Config) { c.MasterSecret = nil }, wantErr: "master secret"},
 		{name: "short master secret", mutate: func(c *Config) { c.MasterSecret = []byte("short") }, wantErr: "master secret"},
 		{name: "no salt", mutate: func(c *Config) { c.Salt = nil }, wantErr: "salt"},
+		{name: "Kubernetes CA with another key", mutate: func(c *Config) {
+			other, err := pki.NewKey()
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.KubernetesCA = &pki.CA{Cert: c.KubernetesCA.Cert, Key: other}
+		}, wantErr: "key is not the one its certificate names"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

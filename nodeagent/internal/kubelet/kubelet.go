@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
@@ -28,8 +30,8 @@ type Supervisor struct {
 	Paths     nodestate.Paths   // where kubeadm writes the kubelet's files
 	ExtraArgs map[string]string // this node's own flags (KUBELET_EXTRA_ARGS)
 	Logger    *slog.Logger
-	// Poll is how often the supervisor looks for kubeadm's files; RestartDelay is the pause before a
-	// kubelet that exited is started again.
+	// Poll is how often the supervisor looks for kubeadm's files when no write in their directory woke it
+	// first; RestartDelay is the pause before a kubelet that exited is started again.
 	Poll, RestartDelay time.Duration
 }
 
@@ -44,22 +46,11 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	restart := cmpDuration(s.RestartDelay, 2*time.Second)
 	flagsFile := filepath.Join(s.Paths.KubeletDir, "kubeadm-flags.env")
 	configFile := filepath.Join(s.Paths.KubeletDir, "config.yaml")
-	lastWait := ""
 	for {
-		args, err := s.args(flagsFile, configFile)
+		args, err := s.waitForStartFiles(ctx, log, poll, flagsFile, configFile)
 		if err != nil {
-			// Missing, or still being written: kubeadm writes its files in place, so a reader can see one
-			// half-written. Either way the kubelet is not ready to start yet.
-			if err.Error() != lastWait {
-				log.Info("waiting for the kubelet's configuration (from kubeadm, or from a ticket without kubeadm)", "reason", err)
-				lastWait = err.Error()
-			}
-			if err := backoff.Sleep(ctx, poll); err != nil {
-				return err
-			}
-			continue
+			return err
 		}
-		lastWait = ""
 		err = s.runOnce(ctx, log, args)
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -70,6 +61,77 @@ func (s *Supervisor) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// waitForStartFiles waits until the kubelet's configuration and flags are complete and returns its
+// arguments. The kubelet is on a joining node's path to Ready, so the supervisor wakes as soon as a file of
+// the kubelet's directory is written (inotify) rather than at its next poll; the poll stays for what a
+// watch cannot see (a directory made later, a watch the kernel refuses).
+func (s *Supervisor) waitForStartFiles(ctx context.Context, log *slog.Logger, poll time.Duration, flagsFile, configFile string) ([]string, error) {
+	// Watch before the first look, so that a write between a look and the wait still wakes it.
+	w, werr := watchDir(s.Paths.KubeletDir)
+	if werr == nil {
+		defer w.Close()
+	}
+	lastWait := ""
+	for {
+		args, err := s.args(flagsFile, configFile)
+		if err == nil {
+			return args, nil
+		}
+		// Missing, or still being written: kubeadm writes its files in place, so a reader can see one
+		// half-written. Either way the kubelet is not ready to start yet.
+		if err.Error() != lastWait {
+			log.Info("waiting for the kubelet's configuration (from kubeadm, or from a ticket without kubeadm)", "reason", err)
+			lastWait = err.Error()
+		}
+		if werr != nil {
+			err = backoff.Sleep(ctx, poll)
+		} else {
+			err = w.wait(ctx, poll)
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+}
+
+// dirWatch is an inotify watch of one directory for files written or moved into it.
+type dirWatch struct{ f *os.File }
+
+func watchDir(dir string) (*dirWatch, error) {
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("watching %s: %w", dir, err)
+	}
+	if _, err := unix.InotifyAddWatch(fd, dir, unix.IN_CLOSE_WRITE|unix.IN_MOVED_TO); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("watching %s: %w", dir, err)
+	}
+	// A non-blocking descriptor in an os.File waits in Go's netpoller, so reads take deadlines.
+	return &dirWatch{f: os.NewFile(uintptr(fd), "inotify:"+dir)}, nil
+}
+
+// wait returns once a file was written in the directory or at most d later, and ctx's error if it ended.
+func (w *dirWatch) wait(ctx context.Context, d time.Duration) error {
+	if err := w.f.SetReadDeadline(time.Now().Add(d)); err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { w.f.SetReadDeadline(time.Now()) })
+	defer stop()
+	// The events only say that something changed; the caller looks at the files again either way.
+	buf := make([]byte, 4096)
+	_, err := w.f.Read(buf)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+		// A watch that cannot be read is no reason to stop: the supervisor polls instead.
+		return backoff.Sleep(ctx, d)
+	}
+	return nil
+}
+
+func (w *dirWatch) Close() error { return w.f.Close() }
 
 func (s *Supervisor) runOnce(ctx context.Context, log *slog.Logger, args []string) error {
 	bin := s.Binary

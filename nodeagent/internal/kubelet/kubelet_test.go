@@ -77,6 +77,47 @@ func TestSupervisor(t *testing.T) {
 	}
 }
 
+// TestSupervisorWakesOnWrite checks that the kubelet starts once kubeadm has written its files, without
+// waiting for the supervisor's next poll: a joining node's Ready waits for it.
+func TestSupervisorWakesOnWrite(t *testing.T) {
+	dir := t.TempDir()
+	paths := nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "etc"), KubeletDir: filepath.Join(dir, "kubelet")}
+	for _, d := range []string{paths.State, paths.KubernetesDir, paths.KubeletDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	started := filepath.Join(dir, "started")
+	bin := filepath.Join(dir, "fake-kubelet")
+	if err := os.WriteFile(bin, []byte("#!/bin/sh\ntouch "+started+"\nexec sleep 60\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	s := &Supervisor{Binary: bin, Paths: paths, Poll: time.Hour, RestartDelay: time.Hour}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	// Let the supervisor find nothing and begin its wait.
+	time.Sleep(50 * time.Millisecond)
+	if err := os.WriteFile(filepath.Join(paths.KubeletDir, "config.yaml"), []byte("kind: KubeletConfiguration\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(paths.KubeletDir, "kubeadm-flags.env"), []byte("KUBELET_KUBEADM_ARGS=\"--node-ip=10.0.0.5\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if _, err := os.Stat(started); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the kubelet did not start after its files were written: the supervisor waited for its hourly poll")
+		}
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run returned %v, want context.Canceled", err)
+	}
+}
+
 func TestReadFlagsEnv(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "kubeadm-flags.env")
 	if err := os.WriteFile(path, []byte("# comment\nOTHER=1\n"), 0o644); err != nil {

@@ -196,9 +196,9 @@ func (c *Client) Placement(ctx context.Context) (region, vpcID string, err error
 	return region, string(vpc), nil
 }
 
-// Instances implements the node's metadata reader: a node on EC2 cannot list other instances (that needs
-// EC2's API and credentials), so it finds the join service through the user-data's join endpoints.
-func (c *Client) Instances(context.Context) ([]metadata.Instance, error) { return nil, nil }
+// ControlPlanes implements the node's metadata reader: a node on EC2 cannot list other instances (that
+// needs EC2's API and credentials), so it finds the join service through the user-data's join endpoints.
+func (c *Client) ControlPlanes(context.Context) ([]metadata.Instance, error) { return nil, nil }
 
 // parseUserData is metadata.ParseUserData with the mistakes a launch template is likely to make named, and
 // join endpoints required.

@@ -236,10 +236,10 @@ func (c *Client) Placement(ctx context.Context) (project, zone, network string, 
 	return project, zone, network, nil
 }
 
-// Instances implements the node's metadata reader: a node on Compute Engine cannot list other instances
-// (that needs the Compute API and credentials), so it finds the join service through the user-data's join
-// endpoints.
-func (c *Client) Instances(context.Context) ([]metadata.Instance, error) { return nil, nil }
+// ControlPlanes implements the node's metadata reader: a node on Compute Engine cannot list other
+// instances (that needs the Compute API and credentials), so it finds the join service through the
+// user-data's join endpoints.
+func (c *Client) ControlPlanes(context.Context) ([]metadata.Instance, error) { return nil, nil }
 
 // TokenSource gives the access tokens of the instance's default service account, for Google's API clients
 // (option.WithTokenSource): the join service on a control-plane node calls the Compute API with them, with
