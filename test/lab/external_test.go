@@ -371,15 +371,6 @@ func checkNotRekeyed(t *testing.T, disk *luks.Volume, diskKey []byte) {
 	}
 }
 
-func nodeReady(n *corev1.Node) bool {
-	for _, c := range n.Status.Conditions {
-		if c.Type == corev1.NodeReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
-}
-
 func nodeHasAddress(n *corev1.Node, addr string) bool {
 	for _, a := range n.Status.Addresses {
 		if a.Type == corev1.NodeInternalIP && a.Address == addr {

@@ -403,18 +403,22 @@ func nodeAddr(i int) netip.Addr {
 // control-plane nodes one by one, since etcd adds one member at a time.
 func (l *Lab) Grow(ctx context.Context, specs ...NodeSpec) error {
 	for _, spec := range specs {
-		n, err := l.AddNode(ctx, l.machine(spec))
-		if err != nil {
-			return err
-		}
-		wait, cancel := context.WithTimeout(ctx, 4*time.Minute)
-		err = l.WaitReady(wait, []*Node{n})
-		cancel()
-		if err != nil {
+		if _, err := l.grow(ctx, spec); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// grow adds one node to a lab Up made and waits until it is Ready.
+func (l *Lab) grow(ctx context.Context, spec NodeSpec) (*Node, error) {
+	n, err := l.AddNode(ctx, l.machine(spec))
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
+	defer cancel()
+	return n, l.WaitReady(ctx, []*Node{n})
 }
 
 type labSecrets struct {

@@ -5,9 +5,12 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,8 +20,9 @@ import (
 	"github.com/berthlabs/berth/internal/repotest"
 )
 
-// TestLab brings up a real cluster (two control-plane nodes, two workers), runs a pod, reboots a worker,
-// and takes the lab down again, checking on the way what issue 3 asks: real kubeadm init and join, the
+// TestLab brings up a real cluster (two control-plane nodes and a worker, then a second worker joining the
+// running cluster, its time from agent start to Node Ready reported by stage: see reportJoinFigure), runs a
+// pod, reboots a worker, and takes the lab down again, checking on the way what issue 3 asks: real kubeadm init and join, the
 // workers' kubelet certificates are the join service's, the second control plane serves, a reboot unlocks
 // the disk by a rejoin ticket without a new join (its TPM measured again), another process finds the lab
 // Ready from its directory (berth-lab wait), and nothing is left on the host afterwards. Every node
@@ -27,13 +31,20 @@ import (
 func TestLab(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	var l *Lab
+	var (
+		l    *Lab
+		join JoinFigure
+	)
 	cfg := labTest(t, func(c Config) (err error) {
 		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"cp-1", metadata.RoleControlPlane},
-			{"worker-0", metadata.RoleWorker}, {"worker-1", metadata.RoleWorker}}
-		l, err = Up(ctx, c)
+			{"worker-0", metadata.RoleWorker}}
+		if l, err = Up(ctx, c); err != nil {
+			return err
+		}
+		join, err = l.GrowTimed(ctx, NodeSpec{"worker-1", metadata.RoleWorker})
 		return err
 	})
+	reportJoinFigure(t, join)
 	// The init attested cp-0 against the manifest's prediction for berthlab-a (PCR 11 included), and every
 	// other node joined under a policy that admits only that prediction: the manifest is what they quote.
 	data, err := os.ReadFile(l.ManifestPath())
@@ -126,6 +137,37 @@ func TestLab(t *testing.T) {
 		if peak, rss, err := n.Memory(); err == nil {
 			t.Logf("memory %s: %d MiB resident, %d MiB peak with page cache", n.Name, rss>>20, peak>>20)
 		}
+	}
+}
+
+// reportJoinFigure logs a fresh node's join figure and, when BERTH_BENCH_OUT names a file (make bench),
+// appends it there as a Markdown table. It checks that every stage was found, in order; how long they took
+// is for the reader, not a test.
+func reportJoinFigure(t *testing.T, f JoinFigure) {
+	t.Helper()
+	var names []string
+	for _, s := range f.Stages {
+		names = append(names, s.Name)
+		if s.Took < 0 {
+			t.Errorf("%s: stage %s took %s", f.Node, s.Name, s.Took)
+		}
+	}
+	want := []string{"metadata", "disk format", "attestation", "key swap", "kubeadm join", "kubelet Ready"}
+	if !slices.Equal(names, want) {
+		t.Errorf("%s: join stages %q, want %q", f.Node, names, want)
+	}
+	t.Logf("%s\nlargest stage: %s, %.2fs", f.Markdown(), f.Largest().Name, f.Largest().Took.Seconds())
+	path := os.Getenv("BERTH_BENCH_OUT")
+	if path == "" {
+		return
+	}
+	out, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatalf("BERTH_BENCH_OUT: %v", err)
+	}
+	_, err = fmt.Fprintf(out, "\n%s", f.Markdown())
+	if err = errors.Join(err, out.Close()); err != nil {
+		t.Fatalf("BERTH_BENCH_OUT %s: %v", path, err)
 	}
 }
 
