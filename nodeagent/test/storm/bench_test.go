@@ -5,9 +5,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -17,6 +20,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
+	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 )
 
 // poolSize is the number of swtpm processes the storm's agents share.
@@ -29,46 +33,78 @@ const realAgents = 2
 const ec2Throttle = 0.2
 
 // TestBench is make bench: storms of N agents (BERTH_BENCH_N, default 100,300,1000) against one join service,
-// then agents started 10 s before the service with Berth's retry schedule beside a group retrying every 30 s
-// on a fixed tick, then (unless BERTH_BENCH_EC2=0) the same storms against a join service on EC2, whose
-// lookups and EKs come from EC2's API, and one of them with a fifth of the EC2 calls throttled. It prints
-// Markdown tables, and appends them to BERTH_BENCH_OUT if set. Nothing here is a threshold: the figures are
-// for docs/benchmarks.md. What is checked is that every agent gets its ticket, and that the EC2 calls stay
-// within what batching and caching promise: at most one DescribeInstances and one GetInstanceTpmEkPub a
-// ticket, throttled calls apart.
+// with where the machine's CPU went during each (the service, the agents, the TPMs, the API server); then, for
+// each N of BERTH_BENCH_LATE_N (default 100,1000), N agents started 10 s before the service with Berth's retry
+// schedule beside N retrying every 30 s on a fixed tick; then (unless BERTH_BENCH_EC2=0) the same storms
+// against a join service on EC2, whose lookups and EKs come from EC2's API, and one of them with a fifth of the
+// EC2 calls throttled. It prints Markdown tables, and appends them to BERTH_BENCH_OUT if set. Nothing here is a
+// threshold: the figures are for docs/benchmarks.md. What is checked is that every agent gets its ticket, and
+// that the EC2 calls stay within what batching and caching promise: at most one DescribeInstances and one
+// GetInstanceTpmEkPub a ticket, throttled calls apart.
 func TestBench(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") == "" {
 		t.Skip("join storm benchmark: make bench runs it (BERTH_BENCH=1)")
 	}
 	sizes := []int{100, 300, 1000}
 	if s := os.Getenv("BERTH_BENCH_N"); s != "" {
-		sizes = nil
-		for f := range strings.SplitSeq(s, ",") {
-			n, err := strconv.Atoi(strings.TrimSpace(f))
-			if err != nil || n <= 0 {
-				t.Fatalf("BERTH_BENCH_N=%q: want sizes such as 100,300", s)
-			}
-			sizes = append(sizes, n)
-		}
+		sizes = parseSizes(t, "BERTH_BENCH_N", s)
+	}
+	lateSizes := []int{100, 1000}
+	if s := os.Getenv("BERTH_BENCH_LATE_N"); s != "" {
+		lateSizes = parseSizes(t, "BERTH_BENCH_LATE_N", s)
 	}
 	var out strings.Builder
 	fmt.Fprintf(&out, "Storms: N agents boot at once against one join service (%d swtpm processes shared by the agents, %d real `berth-agent boot` processes beside them).\n\n", poolSize, realAgents)
-	out.WriteString("| N | time to ticket p50 | p99 | max | tickets/s | join service CPU-s per ticket | join service peak RSS | agent peak RSS |\n")
-	out.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	out.WriteString("| N | time to ticket p50 | p99 | max | tickets/s | join service CPU-s per ticket | join service peak RSS | agent peak RSS | tickets/s per join service CPU | connections open to the service, most | kernel accept queue, longest |\n")
+	out.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	plain := map[int]stormResult{}
+	var order []int
 	for _, n := range sizes {
 		r := storm(t, n, stormMode{})
 		plain[n] = r
-		fmt.Fprintf(&out, "| %d | %s | %.0f MiB |\n", n, r.cells(), float64(r.agentPeak)/(1<<20))
+		order = append(order, n)
+		fmt.Fprintf(&out, "| %d | %s | %.0f MiB | %.0f | %s |\n", n, r.cells(), float64(r.agentPeak)/(1<<20),
+			1/r.cpuPerTicket.Seconds(), r.queues.cells())
 	}
-	var late []group
-	subtest(t, "late-service", func(t *testing.T) { late = lateService(t, 100) })
-	fmt.Fprintf(&out, "\nTime to ticket after the join service appears: 100 agents with Berth's retry schedule (capped exponential backoff, full jitter, cap 5 s) and 100 retrying every 30 s on a fixed tick start together; the service comes up 10 s later.\n\n")
-	out.WriteString("| group | p50 after the service appears | p99 | max |\n|---|---:|---:|---:|\n")
-	for _, g := range late {
-		fmt.Fprintf(&out, "| %s | %.2f s | %.2f s | %.2f s |\n", g.name, g.p50.Seconds(), g.p99.Seconds(), g.max.Seconds())
+	fmt.Fprintf(&out, "\nWhere the machine's CPU went during each storm, in CPU-ms per ticket (the storm's wall time × %d CPUs is the budget):\n\n", runtime.NumCPU())
+	out.WriteString("| N |")
+	for _, side := range Sides {
+		fmt.Fprintf(&out, " %s |", side)
 	}
-	fmt.Fprintf(&out, "\nRatio of p99 times, fixed 30 s tick / Berth: **%.1f×**\n", late[1].p99.Seconds()/late[0].p99.Seconds())
+	out.WriteString(" all | budget |\n|---:|" + strings.Repeat("---:|", len(Sides)+2) + "\n")
+	for _, n := range order {
+		r := plain[n]
+		fmt.Fprintf(&out, "| %d |", n)
+		var all time.Duration
+		for _, side := range Sides {
+			all += r.sides[side]
+			fmt.Fprintf(&out, " %.2f |", ms(r.sides[side]/time.Duration(n)))
+		}
+		fmt.Fprintf(&out, " %.2f | %.2f |\n", ms(all/time.Duration(n)), ms(r.wall*time.Duration(runtime.NumCPU())/time.Duration(n)))
+	}
+
+	fmt.Fprintf(&out, "\nWhen the join service comes up late: N agents with Berth's retry schedule (a refused connection retried within %v, capped exponential backoff with full jitter once a service answered, cap 5 s) and N retrying every 30 s on a fixed tick start together; the service comes up 10 s later. Times are from the moment it listens; connected is the agent's first TCP connection to it, ticket when the agent has its ticket. The service's CPU per ticket, its connections and its accept queue are over the whole run, both groups; before the service listens, the agents' refused connections reach no process.\n\n", backoff.Policy{}.Soon(func() float64 { return 1 }))
+	out.WriteString("| N | group | connected p50 | p99 | ticket p50 | p99 | max | join service CPU-s per ticket | connections open to the service, most | kernel accept queue, longest |\n")
+	out.WriteString("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	var ratios []string
+	for _, n := range lateSizes {
+		var late lateResult
+		subtest(t, fmt.Sprintf("late-service-%d", n), func(t *testing.T) { late = lateService(t, n) })
+		if len(late.groups) == 0 {
+			continue // left out by -run
+		}
+		for _, g := range late.groups {
+			fmt.Fprintf(&out, "| %d | %s | %.2f s | %.2f s | %.2f s | %.2f s | %.2f s | %.4f | %s |\n", n, g.name,
+				g.connected.p50.Seconds(), g.connected.p99.Seconds(), g.ticket.p50.Seconds(), g.ticket.p99.Seconds(), g.ticket.max.Seconds(),
+				late.cpuPerTicket.Seconds(), late.queues.cells())
+		}
+		berth, fixed := late.groups[0], late.groups[1]
+		ratios = append(ratios, fmt.Sprintf("- N = %d: **p99 ratio, fixed 30 s tick / Berth: %.1f×** (time to ticket); %.0f× for the first connection.",
+			n, fixed.ticket.p99.Seconds()/berth.ticket.p99.Seconds(), fixed.connected.p99.Seconds()/berth.connected.p99.Seconds()))
+	}
+	out.WriteString("\n" + strings.Join(ratios, "\n") + "\n")
+	fmt.Fprintf(&out, "\nThe join service serves %d connections at once (32 per CPU); those open beyond that wait, accepted, for one of them. Its listening socket's backlog (somaxconn) is %d.\n",
+		32*runtime.NumCPU(), ListenBacklog())
 	if os.Getenv("BERTH_BENCH_EC2") != "0" {
 		writeEC2Storms(t, &out, sizes, plain)
 	}
@@ -84,6 +120,21 @@ func TestBench(t *testing.T) {
 		}
 	}
 }
+
+// parseSizes reads a list of storm sizes such as 100,300 from the environment variable name.
+func parseSizes(t *testing.T, name, s string) []int {
+	var sizes []int
+	for f := range strings.SplitSeq(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n <= 0 {
+			t.Fatalf("%s=%q: want sizes such as 100,300", name, s)
+		}
+		sizes = append(sizes, n)
+	}
+	return sizes
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 // writeEC2Storms runs the storms of sizes against a join service on EC2, and one of them (the largest size
 // up to 300) with ec2Throttle of the EC2 calls throttled, and writes their table, with each p99 against
@@ -141,9 +192,28 @@ func (m stormMode) name(n int) string {
 type stormResult struct {
 	p50, p99, max          time.Duration
 	perSecond              float64
+	wall                   time.Duration
 	cpuPerTicket           time.Duration
 	servicePeak, agentPeak int64
-	ec2                    ec2Calls
+	// sides is the CPU time of each side of the storm, from its start to its last ticket.
+	sides  CPUSnapshot
+	queues queues
+	ec2    ec2Calls
+}
+
+// queues are the most connections open to the join service at once during a storm, and the longest its kernel
+// accept queue was.
+type queues ConnectionCounts
+
+func (q queues) cells() string { return fmt.Sprintf("%d | %d", q.Established, q.AcceptQueue) }
+
+// watchQueues samples the connections to h's join service until the returned func is called.
+func watchQueues(h *Host) func() queues {
+	conns := WatchConnections(netip.MustParseAddrPort(h.JoinAddr))
+	return func() queues {
+		most, _ := conns.Stop()
+		return queues(most)
+	}
 }
 
 // ec2Calls are the calls EC2 received during a storm, and the tickets the join service issued.
@@ -185,20 +255,29 @@ func runStorm(t *testing.T, n int, mode stormMode) stormResult {
 	}
 	workers := h.AddWorkers(n + realAgents)
 	svc := h.StartService()
-	profile := profileDuring(t, svc, mode.name(n))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 
+	tpms := make([]*swtpmtest.TPM, realAgents)
+	for i := range tpms {
+		tpms[i] = h.NewTPM(t)
+	}
+	profile := profileDuring(t, svc, mode.name(n))
 	var wg sync.WaitGroup
 	peaks := make([]int64, realAgents)
 	errs := make([]error, realAgents)
-	for i := range realAgents {
-		tpm := h.NewTPM(t)
+	for i, tpm := range tpms {
 		wg.Go(func() { peaks[i], _, errs[i] = h.BootAgent(ctx, workers[n+i], tpm) })
 	}
+	stopQueues := watchQueues(h)
+	stopProfile := profileAgents(t, mode.name(n))
+	cpu0 := TakeCPUSnapshot(svc.Pid())
 	start := time.Now()
 	agents := h.Storm(ctx, workers[:n], backoff.Policy{}, nil)
 	end := time.Now()
+	sides := TakeCPUSnapshot(svc.Pid()).Since(cpu0)
+	stopProfile()
+	q := stopQueues()
 	wg.Wait()
 	for _, err := range errs {
 		if err != nil {
@@ -212,8 +291,8 @@ func runStorm(t *testing.T, n int, mode stormMode) stormResult {
 		}
 		times = append(times, a.Ticket.Sub(a.Start))
 	}
-	r := stormResult{perSecond: float64(n) / end.Sub(start).Seconds(), cpuPerTicket: svc.StormCPU() / time.Duration(n),
-		servicePeak: svc.PeakRSS(), agentPeak: slices.Max(peaks)}
+	r := stormResult{perSecond: float64(n) / end.Sub(start).Seconds(), wall: end.Sub(start), cpuPerTicket: svc.StormCPU() / time.Duration(n),
+		servicePeak: svc.PeakRSS(), agentPeak: slices.Max(peaks), sides: sides, queues: q}
 	r.p50, r.p99, r.max = quantiles(times)
 	profile()
 	svc.Kill()
@@ -288,8 +367,8 @@ func saveLog(t *testing.T, svc *Service, name string) {
 	}
 }
 
-// profileDuring takes a CPU profile of the service for the storm's first seconds, and a goroutine profile
-// one second in, into BERTH_BENCH_PROFILES/joinservice-name.{pprof,goroutines.txt} (name N, or ec2-N for a
+// profileDuring takes a CPU profile of the service for the storm's first 12 seconds, and a goroutine profile
+// three seconds in, into BERTH_BENCH_PROFILES/joinservice-name.{pprof,goroutines.txt} (name N, or ec2-N for a
 // service on EC2), if that is set; the returned func waits for them.
 func profileDuring(t *testing.T, svc *Service, name string) func() {
 	dir := os.Getenv("BERTH_BENCH_PROFILES")
@@ -312,21 +391,53 @@ func profileDuring(t *testing.T, svc *Service, name string) func() {
 		io.Copy(f, resp.Body)
 	}
 	var wg sync.WaitGroup
-	wg.Go(func() { fetch("/debug/pprof/profile?seconds=5", "joinservice-"+name+".pprof") })
+	// Long enough for a whole storm of 1,000 agents; the idle seconds after it add no samples.
+	wg.Go(func() { fetch("/debug/pprof/profile?seconds=12", "joinservice-"+name+".pprof") })
 	wg.Go(func() {
-		time.Sleep(time.Second)
+		time.Sleep(3 * time.Second)
 		fetch("/debug/pprof/goroutine?debug=1", "joinservice-"+name+".goroutines.txt")
 	})
 	return wg.Wait
 }
 
+// profileAgents takes a CPU profile of the test process, the storm's agents, into
+// BERTH_BENCH_PROFILES/agents-name.pprof if that is set, until the returned func is called.
+func profileAgents(t *testing.T, name string) func() {
+	dir := os.Getenv("BERTH_BENCH_PROFILES")
+	if dir == "" {
+		return func() {}
+	}
+	f, err := os.Create(filepath.Join(dir, "agents-"+name+".pprof"))
+	if err != nil {
+		t.Logf("profile: %v", err)
+		return func() {}
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		t.Logf("profile: %v", err)
+		f.Close()
+		return func() {}
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}
+}
+
+type quantileSet struct{ p50, p99, max time.Duration }
+
 type group struct {
-	name          string
-	p50, p99, max time.Duration
+	name              string
+	connected, ticket quantileSet
+}
+
+type lateResult struct {
+	groups       []group // Berth's, then the fixed tick's
+	cpuPerTicket time.Duration
+	queues       queues
 }
 
 // lateService starts n agents with Berth's schedule and n on a fixed 30 s tick, and the service 10 s later.
-func lateService(t *testing.T, n int) []group {
+func lateService(t *testing.T, n int) lateResult {
 	t.Helper()
 	h := NewHost(t, poolSize)
 	workers := h.AddWorkers(2 * n)
@@ -341,26 +452,33 @@ func lateService(t *testing.T, n int) []group {
 			func() float64 { return 0.999999 })
 	})
 	time.Sleep(10 * time.Second)
+	stopQueues := watchQueues(h)
 	svc := h.StartService()
 	wg.Wait()
+	r := lateResult{cpuPerTicket: svc.StormCPU() / time.Duration(2*n), queues: stopQueues()}
 	svc.Kill()
-	var groups []group
 	for _, g := range []struct {
 		name   string
 		agents []*Agent
-	}{{"Berth (backoff, jitter, cap 5 s)", berth}, {"fixed 30 s tick", fixed}} {
-		var times []time.Duration
+	}{{"Berth", berth}, {"fixed 30 s tick", fixed}} {
+		var connected, tickets []time.Duration
 		for _, a := range g.agents {
 			if a.Err != nil {
 				t.Fatalf("%s: %v", a.Name, a.Err)
 			}
-			times = append(times, a.Ticket.Sub(svc.Ready))
+			if a.Connected().IsZero() {
+				t.Fatalf("%s got its ticket without the join client logging its connection", a.Name)
+			}
+			connected = append(connected, a.Connected().Sub(svc.Ready))
+			tickets = append(tickets, a.Ticket.Sub(svc.Ready))
 		}
-		r := group{name: g.name}
-		r.p50, r.p99, r.max = quantiles(times)
-		groups = append(groups, r)
+		gr := group{name: g.name}
+		gr.connected.p50, gr.connected.p99, gr.connected.max = quantiles(connected)
+		gr.ticket.p50, gr.ticket.p99, gr.ticket.max = quantiles(tickets)
+		r.groups = append(r.groups, gr)
 	}
-	return groups
+	t.Logf("late service, N=%d: %+v", n, r)
+	return r
 }
 
 // quantiles are the nearest-rank p50, p99 and maximum.

@@ -204,7 +204,7 @@ func closedOr(ctx context.Context) error {
 // rejoin asks for the rejoin ticket of disk as worker i (its TPM from the pool), as its agent does after a
 // reboot.
 func (h *Host) rejoin(ctx context.Context, i int, w metadata.Instance, disk string, bo backoff.Policy) error {
-	dir := filepath.Join(h.dir, "agents", w.Name)
+	dir := filepath.Join(h.agentsDir, w.Name)
 	jc := joinclient.New(joinclient.Config{
 		Metadata: h.Metadata(w.Addresses[0]), Prover: h.provers[i%len(h.provers)], Disk: &keyRecorder{},
 		Lock: &nodestate.Lock{}, Kubeadm: noKubeadm{},

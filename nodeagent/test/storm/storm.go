@@ -39,6 +39,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -80,9 +81,11 @@ type Host struct {
 	EC2  *ec2test.Server
 	IMDS *imdstest.Server
 
-	agentBin string
-	config   string
-	provers  []*attest.Prover
+	// agentsDir holds the storm agents' state directories.
+	agentsDir string
+	agentBin  string
+	config    string
+	provers   []*attest.Prover
 	// poolEKs are the DER SubjectPublicKeyInfos of the provers' EKs, on EC2 hosts.
 	poolEKs [][]byte
 
@@ -114,7 +117,7 @@ func NewEC2Host(t testing.TB, tpms int) *Host { return newHost(t, tpms, true) }
 
 func newHost(t testing.TB, tpms int, onEC2 bool) *Host {
 	t.Helper()
-	h := &Host{t: t, dir: t.TempDir(), proverOf: map[string]int{}}
+	h := &Host{t: t, dir: t.TempDir(), agentsDir: memoryDir(t), proverOf: map[string]int{}}
 	h.API = kubetest.Start(t)
 	port := uint16(kubetest.FreePort(t))
 	h.JoinAddr = netip.AddrPortFrom(clustertest.ServiceAddr, port).String()
@@ -166,6 +169,18 @@ func newHost(t testing.TB, tpms int, onEC2 bool) *Host {
 	}
 	h.writeServiceNode()
 	return h
+}
+
+// memoryDir is a temporary directory in memory (/dev/shm) where there is one, else on disk. The storm
+// agents write their credentials there: each write is synced, and on a disk a thousand agents' syncs cost
+// the load side more CPU than the join service spends on their tickets, while a node syncs only its own.
+func memoryDir(t testing.TB) string {
+	dir, err := os.MkdirTemp("/dev/shm", "berth-storm-")
+	if err != nil {
+		return t.TempDir()
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }
 
 // NewTPM starts a TPM of the kind the host's nodes have: manufactured under the host's EK CA, or on an EC2
@@ -351,8 +366,8 @@ func (h *Host) writeServiceNode() {
 type Service struct {
 	cmd     *exec.Cmd
 	log     *clustertest.SafeBuffer
-	Ready   time.Time
-	Debug   string // its pprof address
+	Ready   time.Time // when it logged that it listens
+	Debug   string    // its pprof address
 	cpu0    time.Duration
 	stopped bool
 }
@@ -376,15 +391,32 @@ func (h *Host) StartService() *Service {
 	h.mu.Unlock()
 	t.Cleanup(func() { s.Kill() })
 	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(s.log.String(), `"msg":"join service listening"`) {
+	for s.Ready.IsZero() {
 		if time.Now().After(deadline) || s.cmd.ProcessState != nil {
 			t.Fatalf("the join service did not start listening:\n%s", s.log.String())
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
+		s.Ready = listeningSince(s.log.String())
 	}
-	s.Ready = time.Now()
 	s.cpu0 = s.CPU()
 	return s
+}
+
+// Pid is the process's id.
+func (s *Service) Pid() int { return s.cmd.Process.Pid }
+
+// listeningSince is the time of the join service's line saying it listens, zero before it is logged.
+func listeningSince(log string) time.Time {
+	for line := range strings.Lines(log) {
+		var rec struct {
+			Time time.Time `json:"time"`
+			Msg  string    `json:"msg"`
+		}
+		if json.Unmarshal([]byte(line), &rec) == nil && rec.Msg == "join service listening" {
+			return rec.Time
+		}
+	}
+	return time.Time{}
 }
 
 // CPU is the process's user and system time so far.
@@ -393,12 +425,11 @@ func (s *Service) CPU() time.Duration {
 	if err != nil {
 		return 0
 	}
-	// The fields after the command name, which is in parentheses and may hold spaces.
-	fields := strings.Fields(string(data[bytes.LastIndexByte(data, ')')+2:]))
-	utime, _ := strconv.ParseInt(fields[11], 10, 64)
-	stime, _ := strconv.ParseInt(fields[12], 10, 64)
-	const clockTicks = 100 // USER_HZ on Linux
-	return time.Duration(utime+stime) * time.Second / clockTicks
+	_, _, fields, ok := parseStat(data)
+	if !ok {
+		return 0
+	}
+	return statCPU(fields)
 }
 
 // StormCPU is the CPU time spent since the service became ready.
@@ -447,6 +478,50 @@ type Agent struct {
 	Err    error
 	Disk   string
 	Keys   [][]byte // every disk key the agent was given, in order
+
+	connected atomic.Int64 // Unix nanoseconds of the first TCP connection to the join service, 0 before
+}
+
+// Connected is when the agent's first TCP connection to the join service was established (zero if never):
+// when its retries found a listening service, whatever the service then made it wait for.
+func (a *Agent) Connected() time.Time {
+	if ns := a.connected.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
+}
+
+// connectWatch is an agent's log handler: it notes when the join client first logs its connection to the
+// join service, and passes records on to next, if any.
+type connectWatch struct {
+	agent *Agent
+	next  slog.Handler
+}
+
+func (w connectWatch) Enabled(context.Context, slog.Level) bool { return true }
+
+func (w connectWatch) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == "connected to the join service" {
+		w.agent.connected.CompareAndSwap(0, r.Time.UnixNano())
+	}
+	if w.next != nil && w.next.Enabled(ctx, r.Level) {
+		return w.next.Handle(ctx, r)
+	}
+	return nil
+}
+
+func (w connectWatch) WithAttrs(attrs []slog.Attr) slog.Handler {
+	if w.next != nil {
+		w.next = w.next.WithAttrs(attrs)
+	}
+	return w
+}
+
+func (w connectWatch) WithGroup(name string) slog.Handler {
+	if w.next != nil {
+		w.next = w.next.WithGroup(name)
+	}
+	return w
 }
 
 // Storm joins every instance at once with the join client and returns when all are done or ctx ends.
@@ -464,13 +539,14 @@ func (h *Host) Storm(ctx context.Context, workers []metadata.Instance, bo backof
 }
 
 func (h *Host) join(ctx context.Context, i int, w metadata.Instance, a *Agent, bo backoff.Policy, rnd func() float64) {
-	dir := filepath.Join(h.dir, "agents", w.Name)
+	dir := filepath.Join(h.agentsDir, w.Name)
 	disk := &keyRecorder{}
 	a.Disk = newUUID()
-	log := slog.New(slog.DiscardHandler)
+	watch := connectWatch{agent: a}
 	if h.AgentLog != nil {
-		log = slog.New(slog.NewJSONHandler(h.AgentLog, nil))
+		watch.next = slog.NewJSONHandler(h.AgentLog, nil)
 	}
+	log := slog.New(watch)
 	jc := joinclient.New(joinclient.Config{
 		Logger:   log,
 		Metadata: h.Metadata(w.Addresses[0]),
