@@ -17,7 +17,8 @@ import (
 // by filtering every record of the cluster, so a storm's cost would grow with the square of its size.
 //
 // The watch may lag the API server by moments: a record it has not seen yet is removed at that node's next
-// ticket, or by the disk-record sweep. Only names and labels are kept, not the tokens or disk owners.
+// ticket (a token expires anyway, and the disk-record sweep removes a gone instance's records). Only names and
+// labels are kept, not the tokens or disk owners.
 type NodeRecords struct {
 	secrets, configMaps cache.SharedIndexInformer
 }
