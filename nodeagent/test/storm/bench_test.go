@@ -58,11 +58,9 @@ func TestBench(t *testing.T) {
 	out.WriteString("| N | time to ticket p50 | p99 | max | tickets/s | join service CPU-s per ticket | join service peak RSS | agent peak RSS | tickets/s per join service CPU | connections open to the service, most | kernel accept queue, longest |\n")
 	out.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	plain := map[int]stormResult{}
-	var order []int
 	for _, n := range sizes {
 		r := storm(t, n, stormMode{})
 		plain[n] = r
-		order = append(order, n)
 		fmt.Fprintf(&out, "| %d | %s | %.0f MiB | %.0f | %s |\n", n, r.cells(), float64(r.agentPeak)/(1<<20),
 			1/r.cpuPerTicket.Seconds(), r.queues.cells())
 	}
@@ -72,7 +70,7 @@ func TestBench(t *testing.T) {
 		fmt.Fprintf(&out, " %s |", side)
 	}
 	out.WriteString(" all | budget |\n|---:|" + strings.Repeat("---:|", len(Sides)+2) + "\n")
-	for _, n := range order {
+	for _, n := range sizes {
 		r := plain[n]
 		fmt.Fprintf(&out, "| %d |", n)
 		var all time.Duration
@@ -196,25 +194,14 @@ type stormResult struct {
 	cpuPerTicket           time.Duration
 	servicePeak, agentPeak int64
 	// sides is the CPU time of each side of the storm, from its start to its last ticket.
-	sides  CPUSnapshot
-	queues queues
+	sides CPUSnapshot
+	// queues are the most connections open to the join service at once, and its longest accept queue.
+	queues ConnectionCounts
 	ec2    ec2Calls
 }
 
-// queues are the most connections open to the join service at once during a storm, and the longest its kernel
-// accept queue was.
-type queues ConnectionCounts
-
-func (q queues) cells() string { return fmt.Sprintf("%d | %d", q.Established, q.AcceptQueue) }
-
-// watchQueues samples the connections to h's join service until the returned func is called.
-func watchQueues(h *Host) func() queues {
-	conns := WatchConnections(netip.MustParseAddrPort(h.JoinAddr))
-	return func() queues {
-		most, _ := conns.Stop()
-		return queues(most)
-	}
-}
+// cells are the counts as table cells.
+func (c ConnectionCounts) cells() string { return fmt.Sprintf("%d | %d", c.Established, c.AcceptQueue) }
 
 // ec2Calls are the calls EC2 received during a storm, and the tickets the join service issued.
 type ec2Calls struct {
@@ -269,7 +256,7 @@ func runStorm(t *testing.T, n int, mode stormMode) stormResult {
 	for i, tpm := range tpms {
 		wg.Go(func() { peaks[i], _, errs[i] = h.BootAgent(ctx, workers[n+i], tpm) })
 	}
-	stopQueues := watchQueues(h)
+	conns := WatchConnections(netip.MustParseAddrPort(h.JoinAddr))
 	stopProfile := profileAgents(t, mode.name(n))
 	cpu0 := TakeCPUSnapshot(svc.Pid())
 	start := time.Now()
@@ -277,7 +264,7 @@ func runStorm(t *testing.T, n int, mode stormMode) stormResult {
 	end := time.Now()
 	sides := TakeCPUSnapshot(svc.Pid()).Since(cpu0)
 	stopProfile()
-	q := stopQueues()
+	q := conns.Stop()
 	wg.Wait()
 	for _, err := range errs {
 		if err != nil {
@@ -433,7 +420,7 @@ type group struct {
 type lateResult struct {
 	groups       []group // Berth's, then the fixed tick's
 	cpuPerTicket time.Duration
-	queues       queues
+	queues       ConnectionCounts
 }
 
 // lateService starts n agents with Berth's schedule and n on a fixed 30 s tick, and the service 10 s later.
@@ -452,10 +439,10 @@ func lateService(t *testing.T, n int) lateResult {
 			func() float64 { return 0.999999 })
 	})
 	time.Sleep(10 * time.Second)
-	stopQueues := watchQueues(h)
+	conns := WatchConnections(netip.MustParseAddrPort(h.JoinAddr))
 	svc := h.StartService()
 	wg.Wait()
-	r := lateResult{cpuPerTicket: svc.StormCPU() / time.Duration(2*n), queues: stopQueues()}
+	r := lateResult{cpuPerTicket: svc.StormCPU() / time.Duration(2*n), queues: conns.Stop()}
 	svc.Kill()
 	for _, g := range []struct {
 		name   string

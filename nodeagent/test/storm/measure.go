@@ -133,7 +133,6 @@ type Connections struct {
 	stop, done chan struct{}
 	mu         sync.Mutex
 	most       ConnectionCounts
-	samples    int
 }
 
 // ConnectionCounts are what one sample of Connections saw, or the most of each over the samples.
@@ -153,7 +152,6 @@ func WatchConnections(addr netip.AddrPort) *Connections {
 				c.mu.Lock()
 				c.most.Established = max(c.most.Established, n.Established)
 				c.most.AcceptQueue = max(c.most.AcceptQueue, n.AcceptQueue)
-				c.samples++
 				c.mu.Unlock()
 			}
 			select {
@@ -166,14 +164,13 @@ func WatchConnections(addr netip.AddrPort) *Connections {
 	return c
 }
 
-// Stop ends the sampling and returns the most of each count seen; samples is 0 when the socket was never
-// seen listening.
-func (c *Connections) Stop() (most ConnectionCounts, samples int) {
+// Stop ends the sampling and returns the most of each count seen.
+func (c *Connections) Stop() ConnectionCounts {
 	close(c.stop)
 	<-c.done
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.most, c.samples
+	return c.most
 }
 
 // ListenBacklog is the longest accept queue a Go listener gets: the system's somaxconn, which Go asks for.
