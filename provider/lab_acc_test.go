@@ -200,8 +200,10 @@ func TestAccLab(t *testing.T) {
 	if _, err := rand.Read(root); err != nil {
 		t.Fatal(err)
 	}
-	// The example names its provider berthlabs/berth, as users write it.
-	t.Setenv("TF_ACC_PROVIDER_NAMESPACE", "berthlabs")
+	// The example has two configurations of the provider. Served in-process, both are configured on one
+	// server, whose resources get whichever configuration came last; a destroy configures both at once, and
+	// berth_join_policy now and then got the one without a kubeconfig. From a mirror, each has its process.
+	t.Setenv("TF_CLI_CONFIG_FILE", providerMirror(t))
 	// Terraform's working directories land here, so the checks can read the raw state files.
 	tfDirs := t.TempDir()
 	t.Setenv("TF_ACC_TEMP_DIR", tfDirs)
@@ -241,11 +243,15 @@ func TestAccLab(t *testing.T) {
 	droppedOnly := vars([]labWorker{{"worker-0", "berthlab-a", 20}}, "berthlab-a")
 	dropped := vars([]labWorker{{"worker-0", "berthlab-a", 20}, {"worker-1", "berthlab-b", 21}}, "berthlab-a")
 
+	// terraform-plugin-testing runs terraform init on the configuration of a directory with a provider block,
+	// but for a configuration in a string only on the providers the step names.
+	mirrored := map[string]resource.ExternalProvider{"berth": {Source: "berthlabs/berth"}}
 	steps := []resource.TestStep{
 		{
-			Config:          impostorConfig,
-			ConfigVariables: base,
-			ExpectError:     measurementRefusal(11, lab.PredictedPCRs("berthlab-a")[11], lab.PredictedPCRs("berthlab-b")[11]),
+			Config:            impostorConfig,
+			ExternalProviders: mirrored,
+			ConfigVariables:   base,
+			ExpectError:       measurementRefusal(11, lab.PredictedPCRs("berthlab-a")[11], lab.PredictedPCRs("berthlab-b")[11]),
 		},
 		{
 			ConfigDirectory: example,
@@ -284,6 +290,7 @@ func TestAccLab(t *testing.T) {
 		},
 		{
 			Config:            adoptConfig,
+			ExternalProviders: mirrored,
 			ConfigVariables:   config.Variables{"kubeconfig_path": config.StringVariable(kubeconfigPath), "pcrs": pcrVariable(lab.PredictedPCRs("berthlab-a"))},
 			ResourceName:      "berth_join_policy.lab",
 			ImportState:       true,
@@ -319,11 +326,6 @@ func TestAccLab(t *testing.T) {
 			ConfigVariables: dropped,
 			PlanOnly:        true,
 		},
-	}
-	// The example has a provider block of its own (the one configured from the new cluster), so the provider
-	// under test is given to each step rather than to the whole case.
-	for i := range steps {
-		steps[i].ProtoV6ProviderFactories = providers
 	}
 	resource.Test(t, resource.TestCase{
 		CheckDestroy: func(*terraform.State) error {

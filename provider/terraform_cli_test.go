@@ -6,19 +6,19 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"testing"
 )
 
 var built struct {
-	once    sync.Once
-	cliConf string
-	err     error
+	once sync.Once
+	dir  string // holds terraform-provider-berth
+	err  error
 }
 
-// devOverrides builds the provider binary once per test run and returns a Terraform CLI configuration
-// whose dev_overrides make terraform run that binary for berthlabs/berth, as it would an installed release.
-func devOverrides(t *testing.T) string {
+// providerDir builds the provider binary once per test run and returns the directory that holds it.
+func providerDir(t *testing.T) string {
 	t.Helper()
 	built.once.Do(func() {
 		dir := filepath.Join(testDir, "bin")
@@ -32,14 +32,59 @@ func devOverrides(t *testing.T) string {
 			built.err = fmt.Errorf("building the provider: %w\n%s", err, out)
 			return
 		}
-		built.cliConf = filepath.Join(dir, "dev.tfrc")
-		conf := fmt.Sprintf("provider_installation {\n  dev_overrides {\n    \"berthlabs/berth\" = %q\n  }\n  direct {}\n}\n", dir)
-		built.err = os.WriteFile(built.cliConf, []byte(conf), 0o600)
+		built.dir = dir
 	})
 	if built.err != nil {
 		t.Fatal(built.err)
 	}
-	return built.cliConf
+	return built.dir
+}
+
+// devOverrides returns a Terraform CLI configuration whose dev_overrides make terraform run the built
+// binary for berthlabs/berth, as it would an installed release. terraform init refuses such a provider.
+func devOverrides(t *testing.T) string {
+	t.Helper()
+	return writeCLIConfig(t, fmt.Sprintf("provider_installation {\n  dev_overrides {\n    \"berthlabs/berth\" = %q\n  }\n  direct {}\n}\n", providerDir(t)))
+}
+
+// mirrorVersion is the version under which providerMirror offers the built binary.
+const mirrorVersion = "0.0.1"
+
+// providerMirror returns a Terraform CLI configuration whose filesystem mirror offers the built binary as
+// berthlabs/berth, so that terraform init installs it as it would a release. Unlike a provider served
+// in-process (one server for all of a configuration's provider blocks), terraform then starts a process
+// for each provider configuration, as it does for users.
+func providerMirror(t *testing.T) string {
+	t.Helper()
+	mirror := t.TempDir()
+	// The unpacked layout: HOSTNAME/NAMESPACE/TYPE/VERSION/TARGET/terraform-provider-TYPE_vVERSION.
+	target := filepath.Join(mirror, "registry.terraform.io", "berthlabs", "berth", mirrorVersion, runtime.GOOS+"_"+runtime.GOARCH)
+	if err := os.MkdirAll(target, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join(providerDir(t), "terraform-provider-berth"), filepath.Join(target, "terraform-provider-berth_v"+mirrorVersion)); err != nil {
+		t.Fatal(err)
+	}
+	return writeCLIConfig(t, fmt.Sprintf(`provider_installation {
+  filesystem_mirror {
+    path    = %q
+    include = ["registry.terraform.io/berthlabs/berth"]
+  }
+  direct {
+    exclude = ["registry.terraform.io/berthlabs/berth"]
+  }
+}
+`, mirror))
+}
+
+// writeCLIConfig writes a Terraform CLI configuration into the test's temporary directory.
+func writeCLIConfig(t *testing.T, conf string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "terraform.tfrc")
+	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // runTerraform runs the terraform CLI in dir against the built provider and returns what it printed.
