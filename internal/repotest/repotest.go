@@ -120,3 +120,29 @@ func BuildBinary(t testing.TB, pkg string, b Build) string {
 	}
 	return out
 }
+
+// MarkdownBlock returns the one fenced code block of the repository's Markdown file doc (a path from the
+// root) that holds marker, without its fences, so that a test runs what the documentation tells users to
+// write and the two cannot drift apart.
+func MarkdownBlock(t testing.TB, doc, marker string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(Root(t), doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found [][]byte
+	for i, part := range bytes.Split(data, []byte("\n```")) {
+		// Odd parts are the blocks, each starting with its info string's line.
+		if i%2 == 0 {
+			continue
+		}
+		_, body, _ := bytes.Cut(part, []byte("\n"))
+		if bytes.Contains(body, []byte(marker)) {
+			found = append(found, body)
+		}
+	}
+	if len(found) != 1 {
+		t.Fatalf("%s has %d code blocks with %q, want exactly one", doc, len(found), marker)
+	}
+	return found[0]
+}

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
@@ -376,4 +377,48 @@ func freePort(t testing.TB, addr netip.Addr) int {
 func kubeBin(t testing.TB) string {
 	t.Helper()
 	return repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
+}
+
+// CreateRBAC creates the Roles, RoleBindings, ClusterRoles and ClusterRoleBindings of manifest, YAML
+// documents separated by "---" lines, as kubectl create -f would.
+func (s *APIServer) CreateRBAC(t testing.TB, manifest []byte) {
+	t.Helper()
+	ctx := context.Background()
+	rbac := s.Client.RbacV1()
+	for doc := range strings.SplitSeq(string(manifest), "\n---\n") {
+		var head struct {
+			metav1.TypeMeta `json:",inline"`
+			Metadata        metav1.ObjectMeta `json:"metadata"`
+		}
+		if err := yaml.Unmarshal([]byte(doc), &head); err != nil {
+			t.Fatalf("kubetest: a manifest document does not parse: %v\n%s", err, doc)
+		}
+		ns := head.Metadata.Namespace
+		var err error
+		switch head.Kind {
+		case "Role":
+			err = createAs(ctx, doc, rbac.Roles(ns).Create)
+		case "RoleBinding":
+			err = createAs(ctx, doc, rbac.RoleBindings(ns).Create)
+		case "ClusterRole":
+			err = createAs(ctx, doc, rbac.ClusterRoles().Create)
+		case "ClusterRoleBinding":
+			err = createAs(ctx, doc, rbac.ClusterRoleBindings().Create)
+		default:
+			t.Fatalf("kubetest: CreateRBAC takes RBAC objects, not %q", head.Kind)
+		}
+		if err != nil {
+			t.Fatalf("kubetest: creating %s %s: %v", head.Kind, head.Metadata.Name, err)
+		}
+	}
+}
+
+// createAs decodes doc into a T, refusing fields T does not have, and creates it with create.
+func createAs[T any](ctx context.Context, doc string, create func(context.Context, *T, metav1.CreateOptions) (*T, error)) error {
+	obj := new(T)
+	if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
+		return err
+	}
+	_, err := create(ctx, obj, metav1.CreateOptions{})
+	return err
 }

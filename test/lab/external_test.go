@@ -19,7 +19,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
 	"sigs.k8s.io/yaml"
@@ -32,6 +31,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/kubetest"
 )
 
@@ -64,7 +64,7 @@ func TestExternalControlPlane(t *testing.T) {
 	// Kubelet certificates live three minutes, so that the node renews its own within the test.
 	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA, KubeletExpiry: "3m", KubeletBackdate: "30s"})
 	api := kubetest.StartWith(t, kubetest.Options{Address: hostAddr, CA: clusterCA, ControllerManager: true})
-	grantJoinService(ctx, t, api)
+	grantJoinService(t, api)
 
 	svc := newExternalService(t, l, agent, api, signer, clusterCA)
 	wrongKey := make([]byte, len(signer.AuthKey))
@@ -194,25 +194,11 @@ func checkRenewal(ctx context.Context, t *testing.T, l *Lab, node *Node, api *ku
 		first.SerialNumber.Text(16), renewed.SerialNumber.Text(16), renewed.NotAfter)
 }
 
-// grantJoinService gives the join service's identity what docs/external-control-plane.md grants: ConfigMaps
-// in kube-system (its disk-owner records, and the policy if it reads it from there), and nothing else.
-func grantJoinService(ctx context.Context, t *testing.T, api *kubetest.APIServer) {
+// grantJoinService gives the join service's identity the Role and RoleBinding of
+// docs/external-control-plane.md, read from the document: ConfigMaps in kube-system and nothing else.
+func grantJoinService(t *testing.T, api *kubetest.APIServer) {
 	t.Helper()
-	role := &rbacv1.Role{
-		ObjectMeta: metav1.ObjectMeta{Name: "berth-join-service", Namespace: "kube-system"},
-		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create"}}},
-	}
-	binding := &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "berth-join-service", Namespace: "kube-system"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "berth-join-service"},
-		Subjects:   []rbacv1.Subject{{Kind: "User", APIGroup: "rbac.authorization.k8s.io", Name: "berth-join-service"}},
-	}
-	if _, err := api.Client.RbacV1().Roles("kube-system").Create(ctx, role, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := api.Client.RbacV1().RoleBindings("kube-system").Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	api.CreateRBAC(t, repotest.MarkdownBlock(t, "docs/external-control-plane.md", "kind: Role"))
 }
 
 // externalService is the join service beside the external control plane, as its systemd unit runs it.
