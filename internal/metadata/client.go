@@ -62,7 +62,7 @@ func (c *Client) Self(ctx context.Context) (*Self, error) {
 	return &self, nil
 }
 
-// Instances returns every record the service holds.
+// ControlPlanes returns the service's records of control-plane instances, where join services may answer.
 func (c *Client) ControlPlanes(ctx context.Context) ([]Instance, error) {
 	var instances []Instance
 	if err := c.get(ctx, PathInstances, url.Values{"role": {string(RoleControlPlane)}}, &instances); err != nil {

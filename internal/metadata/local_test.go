@@ -55,7 +55,7 @@ func TestLocalSelf(t *testing.T) {
 		t.Errorf("configured address: %+v, %v", self, err)
 	}
 	if insts, err := l.ControlPlanes(context.Background()); err != nil || len(insts) != 0 {
-		t.Errorf("Instances = %v, %v; a node without metadata knows no other", insts, err)
+		t.Errorf("ControlPlanes = %v, %v; a node without metadata knows no other", insts, err)
 	}
 }
 

@@ -51,10 +51,10 @@ type Kubeadm interface {
 	Reset(ctx context.Context, progress func(line string)) error
 }
 
-// The join service's request rate limit towards the API server. A ticket takes two writes (its token and its
-// disk record; the node's earlier ones are found from a watch), so a storm of 1,000 nodes needs 2,000: at 500
-// a second they wait for the API server, not for the limit, and the API server's priority and fairness
-// protects it.
+// The join service's request rate limit towards the API server, instead of client-go's default of 5 a second.
+// A ticket takes two writes (its token and its disk record; the node's earlier ones are found from a watch),
+// so a storm of 1,000 nodes needs 2,000: at 500 a second they wait for the API server, not for the limit, and
+// the API server's priority and fairness protects it.
 const (
 	kubeQPS   = 500
 	kubeBurst = 1000
@@ -103,8 +103,6 @@ func kubeClientAt(kubeconfig, server string) (kubernetes.Interface, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
 	}
-	// client-go's default of 5 requests a second would make a join storm queue behind two writes per
-	// ticket; the API server's priority and fairness protects it instead.
 	rc.QPS, rc.Burst = kubeQPS, kubeBurst
 	// Protobuf, which the API server speaks for every built-in type, costs both ends less than JSON.
 	rc.ContentType = runtime.ContentTypeProtobuf
