@@ -237,10 +237,12 @@ func (a *Agent) Boot(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything.
+	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything; unsealed
+	// says the key came from its TPM, where it is sealed already, to the policy the node followed last.
 	var unlockPolicy []byte
+	unsealed := false
 	if !prepared.Fresh {
-		if unlockPolicy, err = a.unlockKeyed(ctx, log, jc, unlock, prover, self, prepared.UUID); err != nil {
+		if unlockPolicy, unsealed, err = a.unlockKeyed(ctx, log, jc, unlock, prover, self, prepared.UUID); err != nil {
 			return err
 		}
 		state, err := nodestate.Read(a.cfg.Paths.State)
@@ -257,6 +259,8 @@ func (a *Agent) Boot(ctx context.Context) error {
 			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
 				return err
 			}
+			// The join ticket brought the current policy.
+			unsealed = false
 		case err != nil:
 			return fmt.Errorf("state disk unlocked but: %w", err)
 		default:
@@ -274,7 +278,9 @@ func (a *Agent) Boot(ctx context.Context) error {
 	// Work that goes on while the node runs keeps the agent up: the seal's refresh, the kubelet's renewal.
 	duties := 0
 	if unlock != nil {
-		a.sealAfterBoot(ctx, log, unlock, self.Instance.Role, unlockPolicy)
+		if !unsealed {
+			a.sealAfterBoot(ctx, log, unlock, self.Instance.Role, unlockPolicy)
+		}
 		if self.Instance.Role != metadata.RoleControlPlane {
 			go a.refreshSeal(ctx, log, jc, unlock, prepared.UUID)
 			duties++
@@ -284,6 +290,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 		go a.renewKubeletCertificate(ctx, log, jc, prepared.UUID)
 		duties++
 	}
+	log.Info("boot finished")
 	switch {
 	case self.Instance.Role == metadata.RoleControlPlane:
 		err = a.ServeJoinService(ctx)

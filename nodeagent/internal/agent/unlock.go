@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
 )
 
@@ -31,9 +33,9 @@ func (a *Agent) localUnlocker(ctx context.Context, prover Prover, role metadata.
 }
 
 // unlockKeyed opens a disk that was keyed on an earlier boot: from the TPM when a key sealed there opens at
-// this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns, or by an
-// operator's recovery, whichever comes first.
-func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, prover Prover, self *metadata.Self, disk string) ([]byte, error) {
+// this boot's measurements (unsealed), and otherwise with a rejoin ticket, whose unlock policy it returns,
+// or by an operator's recovery, whichever comes first.
+func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Unlocker, prover Prover, self *metadata.Self, disk string) (unlockPolicy []byte, unsealed bool, err error) {
 	if unlock != nil {
 		key, image, err := unlock.Unlock(ctx)
 		switch {
@@ -43,7 +45,7 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 				break
 			}
 			log.Info("state disk unlocked from the TPM", "disk", disk, "image", image)
-			return nil, nil
+			return nil, true, nil
 		case errors.Is(err, localunlock.ErrNothingSealed):
 			log.Info("no key is sealed on the state disk; asking for a rejoin ticket", "disk", disk)
 		default:
@@ -55,7 +57,7 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 	// can help, that is the way back.
 	rec, stop, err := a.startRecoveryServer(prover, self, disk, log)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	defer stop()
 	type rejoined struct {
@@ -70,21 +72,21 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 	select {
 	case r := <-done:
 		if r.err != nil {
-			return nil, r.err
+			return nil, false, r.err
 		}
 		// No recovery may set the key at the same time.
 		stop()
 		if err := (unlockingDisk{a}).SetKey(ctx, nil, r.ticket.DiskKey); err != nil {
-			return nil, fmt.Errorf("unlocking the state disk: %w", err)
+			return nil, false, fmt.Errorf("unlocking the state disk: %w", err)
 		}
-		return r.ticket.UnlockPolicy, nil
+		return r.ticket.UnlockPolicy, false, nil
 	case <-rec.Done():
 		jc.Stop()
 		<-done
 		log.Info("state disk unlocked by the operator's recovery; rejoin stopped", "disk", disk)
-		return nil, nil
+		return nil, false, nil
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, false, ctx.Err()
 	}
 }
 
@@ -105,10 +107,12 @@ func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk str
 	return srv, func() { once.Do(stop) }, nil
 }
 
-// sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else what the join
-// ticket or the init request left in the state directory. A node that unlocked from its TPM learnt nothing
-// new; a control-plane node seals again when its join service loads the policy, a worker at its next
-// refresh. A failure to seal costs the node its local unlock, not its membership: it is logged.
+// sealAfterBoot seals the disk key to the policy this boot learnt: a rejoin ticket's, else the newest the node
+// learnt before, which the state directory holds (what seal last recorded, the join ticket's, or the init
+// request's). A node that unlocked from its TPM does not call it: its key is sealed already, and to a
+// policy no older than the state directory's. A control-plane node seals again when its join service loads
+// the policy, a worker at its next refresh. A failure to seal costs the node its local unlock, not its
+// membership: it is logged.
 func (a *Agent) sealAfterBoot(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, role metadata.Role, ticketPolicy []byte) {
 	doc := ticketPolicy
 	if doc == nil {
@@ -138,14 +142,34 @@ func (a *Agent) sealTo(ctx context.Context, log *slog.Logger, unlock *localunloc
 	a.seal(ctx, log, unlock, p.ForRole(role, time.Now()))
 }
 
+// seal seals the disk key to p, after recording p as the node's unlock policy: a later boot that does not
+// unlock from the TPM (an operator's recovery) then seals to it rather than to the join ticket's, which may
+// still allow images dropped since.
 func (a *Agent) seal(ctx context.Context, log *slog.Logger, unlock *localunlock.Unlocker, p *policy.Policy) {
 	if a.key == nil {
 		log.Error("sealing the disk key: no key was set in this boot")
 		return
 	}
+	if err := a.recordUnlockPolicy(p); err != nil {
+		// Sealing to p still drops what p dropped; only a recovery would seal to an older policy.
+		log.Warn("recording the unlock policy failed; a recovery would seal the disk key to an older one", "error", err)
+	}
 	if err := unlock.Seal(ctx, a.key, p); err != nil {
 		log.Warn("sealing the disk key failed; the next boot unlocks with a rejoin ticket", "error", err)
 	}
+}
+
+// recordUnlockPolicy writes p to the state directory's unlock policy file unless the file holds it already.
+func (a *Agent) recordUnlockPolicy(p *policy.Policy) error {
+	doc, err := p.Marshal()
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(a.cfg.Paths.State, joinclient.UnlockPolicyFile)
+	if old, err := os.ReadFile(path); err == nil && bytes.Equal(old, doc) {
+		return nil
+	}
+	return nodestate.WriteFile(path, doc, 0o600)
 }
 
 // followPolicy is how a control-plane node's join service keeps the node's sealed key following its policy;

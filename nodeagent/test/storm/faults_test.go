@@ -3,10 +3,12 @@ package storm
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -40,10 +42,10 @@ const faultAfter = 5
 const tokenTTL = 10 * time.Minute
 
 // TestFaults is make faults: storms in which the join service is killed with SIGKILL and restarted, and
-// kube-apiserver is killed and restarted, and real agents crashed at every step of their join and booted
-// again. After each: every agent holds a ticket, every disk key is the one the cluster derives for that
-// disk, no bootstrap token lives longer than its TTL, and the join service's live heap after a storm does
-// not keep growing with the storms.
+// kube-apiserver is killed and restarted, and real agents crashed at every step of their join, or of a
+// reseal, and booted again. After each: every agent holds a ticket, every disk key is the one the cluster
+// derives for that disk, no bootstrap token lives longer than its TTL, and the join service's live heap after
+// a storm does not keep growing with the storms.
 func TestFaults(t *testing.T) {
 	if os.Getenv("BERTH_FAULTS") == "" {
 		t.Skip("fault runs: make faults runs them (BERTH_FAULTS=1)")
@@ -118,7 +120,8 @@ func TestFaults(t *testing.T) {
 // crashWhileResealing runs a failpoint build of berth-agent as a worker that seals its key: it joins and
 // seals to the policy, the policy gains an image, and the agent booted again unlocks from its TPM, learns
 // the new policy at its next refresh, and dies at point while sealing to it. Booted once more, it unlocks
-// from its TPM, and its disk holds the derived key alone and one sealed key.
+// from its TPM and keeps the key sealed to the new policy, not to its join ticket's, which allowed one image;
+// its disk holds the derived key alone and one sealed key.
 func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
 	t.Helper()
 	dir := filepath.Join(h.dir, "reseal", name)
@@ -156,14 +159,52 @@ func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
 	if !strings.Contains(out, "state disk unlocked from the TPM") {
 		t.Fatalf("the second boot did not unlock from the TPM:\n%s", out)
 	}
-	if out, err = h.runAgent(t, config, nil, "state disk unlocked from the TPM"); err != nil {
+	// Whatever a boot seals right after it unlocks, it has sealed by the time it says the boot finished.
+	if out, err = h.runAgent(t, config, nil, `"msg":"boot finished"`); err != nil {
 		t.Fatalf("booting after the crash at %s: %v\n%s", point, err, out)
+	}
+	if !strings.Contains(out, "state disk unlocked from the TPM") {
+		t.Fatalf("the boot after the crash at %s did not unlock from the TPM:\n%s", point, out)
 	}
 	vol := luks.New(img, nil)
 	h.checkDerivedKeyAlone(t, vol)
-	if tokens, err := vol.Tokens(context.Background(), statedisk.SealedTokenType); err != nil || len(tokens) != 1 {
-		t.Errorf("sealed keys after the boot that followed the crash at %s: %d (%v), want the newest alone", point, len(tokens), err)
+	tokens, err := vol.Tokens(context.Background(), statedisk.SealedTokenType)
+	if err != nil || len(tokens) != 1 {
+		t.Fatalf("sealed keys after the boot that followed the crash at %s: %d (%v), want the newest alone; its output:\n%s", point, len(tokens), err, out)
 	}
+	want := []string{"swtpm-zero", "next"}
+	var sealed struct {
+		Sealed struct {
+			Policy []byte `json:"policy"`
+		} `json:"berth_sealed"`
+	}
+	if err := json.Unmarshal(tokens[0].JSON, &sealed); err != nil {
+		t.Fatalf("reading the sealed-key token: %v", err)
+	}
+	if images, err := imageNames(sealed.Sealed.Policy); err != nil || !slices.Equal(images, want) {
+		t.Errorf("after the boot that followed the crash at %s the key is sealed to the images %v (%v), want %v; its output:\n%s", point, images, err, want, out)
+	}
+	// A boot that cannot unseal (an operator's recovery) seals to the policy the node recorded last.
+	recorded, err := os.ReadFile(filepath.Join(dir, "state", joinclient.UnlockPolicyFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if images, err := imageNames(recorded); err != nil || !slices.Equal(images, want) {
+		t.Errorf("after the crash at %s the node's recorded unlock policy allows %v (%v), want %v", point, images, err, want)
+	}
+}
+
+// imageNames returns the names of the images of a policy document.
+func imageNames(doc []byte) ([]string, error) {
+	p, err := policy.Parse(doc)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(p.Images))
+	for i, img := range p.Images {
+		names[i] = img.Name
+	}
+	return names, nil
 }
 
 // runAgent runs berth-agent boot with config and env until it exits or, if until is set, until its output
