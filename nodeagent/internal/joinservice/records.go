@@ -16,8 +16,9 @@ import (
 // server which those are would take two of a ticket's four requests, each a list that the API server answers
 // by filtering every record of the cluster, so a storm's cost would grow with the square of its size.
 //
-// The watch may lag the API server by moments: a record it has not seen yet is removed at that node's next
-// ticket (a token expires anyway, and the disk-record sweep removes a gone instance's records). Only names and
+// The watch may lag the API server by moments, and by seconds while it reconnects after the API server
+// restarted: a record it has not seen yet is removed at that node's next ticket (a token expires anyway, and
+// the disk-record sweep removes a gone instance's records). Only names and
 // labels are kept, not the tokens or disk owners.
 type NodeRecords struct {
 	secrets, configMaps cache.SharedIndexInformer
