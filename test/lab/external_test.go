@@ -64,7 +64,9 @@ func TestExternalControlPlane(t *testing.T) {
 	// Kubelet certificates live three minutes, so that the node renews its own within the test.
 	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA, KubeletExpiry: "3m", KubeletBackdate: "30s"})
 	api := kubetest.StartWith(t, kubetest.Options{Address: hostAddr, CA: clusterCA, ControllerManager: true})
-	grantJoinService(t, api)
+	// The join service's identity gets the Role and RoleBinding of the document, ConfigMaps in kube-system
+	// and nothing else.
+	api.CreateRBAC(t, repotest.MarkdownBlock(t, "docs/external-control-plane.md", "kind: Role"))
 
 	svc := newExternalService(t, l, agent, api, signer, clusterCA)
 	wrongKey := make([]byte, len(signer.AuthKey))
@@ -192,13 +194,6 @@ func checkRenewal(ctx context.Context, t *testing.T, l *Lab, node *Node, api *ku
 	}
 	t.Logf("kubelet certificate %s renewed as %s (not after %v); the kubelet renewed its lease past the first one's expiry",
 		first.SerialNumber.Text(16), renewed.SerialNumber.Text(16), renewed.NotAfter)
-}
-
-// grantJoinService gives the join service's identity the Role and RoleBinding of
-// docs/external-control-plane.md, read from the document: ConfigMaps in kube-system and nothing else.
-func grantJoinService(t *testing.T, api *kubetest.APIServer) {
-	t.Helper()
-	api.CreateRBAC(t, repotest.MarkdownBlock(t, "docs/external-control-plane.md", "kind: Role"))
 }
 
 // externalService is the join service beside the external control plane, as its systemd unit runs it.

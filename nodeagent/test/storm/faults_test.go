@@ -177,16 +177,19 @@ func (h *Host) crashWhileResealing(t *testing.T, name, addr, point string) {
 	if err != nil || len(tokens) != 1 {
 		t.Fatalf("sealed keys after the boot that followed the crash at %s: %d (%v), want the newest alone; its output:\n%s", point, len(tokens), err, out)
 	}
+	stored, err := statedisk.New(vol, nil).SealedKeys(context.Background())
+	if err != nil || len(stored) != 1 {
+		t.Fatalf("reading the sealed key: %d (%v)", len(stored), err)
+	}
 	want := []string{"swtpm-zero", "next"}
+	// The policy the key is sealed to is stored beside it (localunlock's record).
 	var sealed struct {
-		Sealed struct {
-			Policy []byte `json:"policy"`
-		} `json:"berth_sealed"`
+		Policy []byte `json:"policy"`
 	}
-	if err := json.Unmarshal(tokens[0].JSON, &sealed); err != nil {
-		t.Fatalf("reading the sealed-key token: %v", err)
+	if err := json.Unmarshal(stored[0].Data, &sealed); err != nil {
+		t.Fatalf("reading the sealed key: %v", err)
 	}
-	if images, err := imageNames(sealed.Sealed.Policy); err != nil || !slices.Equal(images, want) {
+	if images, err := imageNames(sealed.Policy); err != nil || !slices.Equal(images, want) {
 		t.Errorf("after the boot that followed the crash at %s the key is sealed to the images %v (%v), want %v; its output:\n%s", point, images, err, want, out)
 	}
 	// A boot that cannot unseal (an operator's recovery) seals to the policy the node recorded last.
