@@ -152,7 +152,7 @@ func (l *Lab) ec2API() (*ec2.Client, error) {
 		Region:      AWSRegion,
 		Credentials: credentials.NewStaticCredentialsProvider(operatorKeyID, "berthlab-operator-secret", ""),
 		HTTPClient:  &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}},
-	}, func(o *ec2.Options) { o.BaseEndpoint = aws.String(l.EC2.URL) }), nil
+	}, ec2instances.GuardBodies, func(o *ec2.Options) { o.BaseEndpoint = aws.String(l.EC2.URL) }), nil
 }
 
 // cloudEKTrust is how berth_cluster's aws block trusts the first control-plane node's TPM: by the EK EC2

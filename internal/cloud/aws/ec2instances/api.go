@@ -61,9 +61,10 @@ func (j fullJitter) BackoffDelay(attempt int, _ error) (time.Duration, error) {
 }
 
 // NewAPI returns an EC2 client for region with the SDK's default credential chain (on EC2, the instance
-// profile's role, through IMDS) and the retryer above. endpoint, if set, replaces AWS's endpoint (a VPC
-// endpoint's DNS name, or a test endpoint); it must be https, or http on a loopback address. The SDK's own
-// warnings go to log (nil discards them), as structured lines like every other.
+// profile's role, through IMDS), the retryer above and its HTTP client behind GuardRequestBodies. endpoint,
+// if set, replaces AWS's endpoint (a VPC endpoint's DNS name, or a test endpoint); it must be https, or http
+// on a loopback address. The SDK's own warnings go to log (nil discards them), as structured lines like
+// every other.
 func NewAPI(ctx context.Context, region, endpoint string, log *slog.Logger) (*ec2.Client, error) {
 	if region == "" {
 		return nil, errors.New("EC2 client: region is empty")
@@ -84,7 +85,7 @@ func NewAPI(ctx context.Context, region, endpoint string, log *slog.Logger) (*ec
 	if err != nil {
 		return nil, fmt.Errorf("EC2 client: loading the AWS configuration: %w", err)
 	}
-	return ec2.NewFromConfig(cfg, func(o *ec2.Options) {
+	return ec2.NewFromConfig(cfg, GuardBodies, func(o *ec2.Options) {
 		if endpoint != "" {
 			o.BaseEndpoint = aws.String(endpoint)
 		}

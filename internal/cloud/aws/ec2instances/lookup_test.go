@@ -47,7 +47,7 @@ func newClient(srv *ec2test.Server) *ec2.Client {
 		Region:      srv.Region,
 		Credentials: credentials.NewStaticCredentialsProvider("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", ""),
 		Retryer:     newRetryer(time.Millisecond, 10*time.Millisecond),
-	}, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
+	}, GuardBodies, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
 }
 
 func testLogger(t *testing.T) *slog.Logger {
@@ -509,6 +509,9 @@ func TestNewAPI(t *testing.T) {
 	api, err := NewAPI(t.Context(), srv.Region, srv.URL, nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if _, ok := api.Options().HTTPClient.(guardedClient); !ok {
+		t.Errorf("HTTP client %T is not behind GuardRequestBodies", api.Options().HTTPClient)
 	}
 	if got := api.Options().Retryer.MaxAttempts(); got != maxAttempts {
 		t.Errorf("retryer allows %d attempts, want %d", got, maxAttempts)

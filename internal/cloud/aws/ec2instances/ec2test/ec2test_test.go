@@ -17,6 +17,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/ec2/types"
 	"github.com/aws/smithy-go"
 
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
 )
 
@@ -27,7 +28,7 @@ func client(srv *ec2test.Server, attempts int) *ec2.Client {
 		Retryer: func() aws.Retryer {
 			return retry.NewStandard(func(o *retry.StandardOptions) { o.MaxAttempts = attempts; o.MaxBackoff = 1 })
 		},
-	}, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
+	}, ec2instances.GuardBodies, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
 }
 
 func filter(name string, values ...string) types.Filter {
