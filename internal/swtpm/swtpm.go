@@ -23,10 +23,13 @@ type CA struct {
 	mu sync.Mutex
 }
 
+// Tools are the commands this package runs (Debian's swtpm and swtpm-tools).
+var Tools = []string{"swtpm", "swtpm_setup", "swtpm_localca"}
+
 // NewCA prepares dir as an EK CA and makes its keys by manufacturing a first, throwaway TPM, so that the
 // root exists before any TPM the caller keeps.
 func NewCA(dir string) (*CA, error) {
-	for _, tool := range []string{"swtpm", "swtpm_setup", "swtpm_localca"} {
+	for _, tool := range Tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			return nil, fmt.Errorf("%s not found: run `make deps` (installs swtpm and swtpm-tools)", tool)
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
 
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/swtpm"
 )
 
@@ -31,6 +32,7 @@ type CA struct {
 // NewCA makes a CA in a temporary directory.
 func NewCA(t testing.TB) *CA {
 	t.Helper()
+	repotest.NeedsTools(t, swtpm.Tools...)
 	ca, err := swtpm.NewCA(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -78,6 +80,7 @@ func NewTPMWithoutEKCertificate(t testing.TB) *TPM {
 
 func startTPM(t testing.TB, manufacture func(state string) error) *TPM {
 	t.Helper()
+	repotest.NeedsTools(t, swtpm.Tools...)
 	dir := t.TempDir()
 	state := filepath.Join(dir, "state")
 	if err := os.Mkdir(state, 0o700); err != nil {
