@@ -19,8 +19,6 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds"
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/kubeadm"
@@ -33,6 +31,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/kubelet"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/platform"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 )
 
@@ -110,24 +109,16 @@ func kubeClientAt(kubeconfig, server string) (kubernetes.Interface, error) {
 	return kubernetes.NewForConfig(rc)
 }
 
-// nodeMetadata is where a node learns who it is and which other nodes exist: a metadata service
-// (metadata.Client), EC2's IMDS (imds.Client) or, on bare metal, its user-data file and the machine itself
-// (metadata.Local).
-type nodeMetadata interface {
-	Self(ctx context.Context) (*metadata.Self, error)
-	ControlPlanes(ctx context.Context) ([]metadata.Instance, error)
-}
-
 // Agent is one node's agent.
 type Agent struct {
 	cfg  *Config
 	deps Deps
 	log  *slog.Logger
-	meta nodeMetadata
-	// records looks up other nodes for the join service; nil on nodes without a metadata service.
-	records *metadata.Client
-	disk    *statedisk.Disk
-	vol     *luks.Volume
+	// platform is the environment the node runs in; node is its view of itself there.
+	platform platform.Platform
+	node     platform.Node
+	disk     *statedisk.Disk
+	vol      *luks.Volume
 	// mounted is set once the state volume is mounted in this boot.
 	mounted bool
 	// key is the disk key once it is set in this boot; unlock seals it.
@@ -144,27 +135,14 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	var src netip.Addr
 	if cfg.SourceAddress != "" {
-		var err error
-		if src, err = netip.ParseAddr(cfg.SourceAddress); err != nil {
+		if _, err := netip.ParseAddr(cfg.SourceAddress); err != nil {
 			return nil, fmt.Errorf("sourceAddress: %w", err)
 		}
 	}
 	vol := luks.New(cfg.StateDisk, log)
-	a := &Agent{cfg: cfg, deps: deps, log: log, vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}
-	switch {
-	case cfg.UserDataFile != "":
-		a.meta = &metadata.Local{UserDataFile: cfg.UserDataFile, Address: src}
-	case cfg.AWS != nil:
-		a.meta = &imds.Client{Endpoint: cfg.AWS.IMDSEndpoint}
-	case cfg.GCP != nil:
-		a.meta = &gcemetadata.Client{Endpoint: cfg.GCP.MetadataEndpoint}
-	default:
-		a.records = &metadata.Client{BaseURL: cfg.MetadataURL, LocalAddr: src}
-		a.meta = a.records
-	}
-	return a, nil
+	p := cfg.Platform()
+	return &Agent{cfg: cfg, deps: deps, log: log, platform: p, node: p.Node(), vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}, nil
 }
 
 // diskOptions are the state disk's options; a failpoint build can crash after each of its steps, at the
@@ -428,7 +406,7 @@ func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Inf
 func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger) *joinclient.Client {
 	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
 	return joinclient.New(joinclient.Config{
-		Metadata: a.meta, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
+		Metadata: a.node, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
 		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
 		Kubelet:     kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
 		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
@@ -437,7 +415,7 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 }
 
 func (a *Agent) self(ctx context.Context) (*metadata.Self, error) {
-	return metadata.WaitSelf(ctx, a.meta, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
+	return metadata.WaitSelf(ctx, a.node, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
 }
 
 // stopGracefully lets running calls finish, for at most d.

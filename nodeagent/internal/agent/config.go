@@ -7,18 +7,20 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"net/netip"
-	"net/url"
 	"os"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/platform"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/aws"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/baremetal"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/gcp"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/lab"
 )
 
 // DefaultInitPort is where a fresh control-plane node's init server listens; the Terraform provider dials it.
@@ -40,13 +42,13 @@ type Config struct {
 	// json), and the join service of a control-plane node looks nodes up through the EC2 API and trusts
 	// their TPMs by the EK that EC2 reports for each instance. Exactly one of MetadataURL, UserDataFile and
 	// AWS is set.
-	AWS *AWSConfig `json:"aws,omitempty"`
+	AWS *aws.Config `json:"aws,omitempty"`
 	// GCP makes the node a Compute Engine instance: it reads itself from the GCE metadata server (its
 	// berth-node-config attribute is berth_node_config's json), and the join service of a control-plane node
 	// looks nodes up through the Compute API, takes their role from their managed instance group, and trusts
 	// their vTPMs by Google's EK certificate and the EK the Compute API reports for each instance. Exactly
 	// one of MetadataURL, UserDataFile, AWS and GCP is set.
-	GCP *GCPConfig `json:"gcp,omitempty"`
+	GCP *gcp.Config `json:"gcp,omitempty"`
 	// TPM is the TPM device (/dev/tpmrm0) or a swtpm socket ("unix:/path", "tcp:host:port").
 	TPM string `json:"tpm,omitempty"`
 	// StateDisk is the block device (or, in labs, the image file) of the encrypted state disk.
@@ -123,80 +125,6 @@ type CFSSLConfig struct {
 	AuthKeyFile string `json:"authKeyFile"`
 	// Label picks the signer of a CFSSL with several; empty for one.
 	Label string `json:"label,omitempty"`
-}
-
-// AWSConfig is the EC2 side of a node and of its join service.
-type AWSConfig struct {
-	// AutoscalingGroups maps the autoscaling groups whose instances may join to their role. Only AWS sets an
-	// instance's aws:autoscaling:groupName tag, so no node can pick its own role; instances of other groups,
-	// or of none, are refused. Control-plane nodes, which serve joins, take them from their user-data
-	// (berth_node_config autoscaling_groups) unless set here.
-	AutoscalingGroups map[string]metadata.Role `json:"autoscalingGroups,omitempty"`
-	// Region and VPCID are where the join service looks nodes up; the control-plane node's own by default
-	// (from IMDS). Instances of other VPCs are never found.
-	Region string `json:"region,omitempty"`
-	VPCID  string `json:"vpcID,omitempty"`
-	// IMDSEndpoint and EC2Endpoint replace AWS's own endpoints, for emulators (tests, labs).
-	IMDSEndpoint string `json:"imdsEndpoint,omitempty"`
-	EC2Endpoint  string `json:"ec2Endpoint,omitempty"`
-}
-
-func (c *AWSConfig) validate() []error {
-	var errs []error
-	for group, role := range c.AutoscalingGroups {
-		if group == "" || !role.Valid() {
-			errs = append(errs, fmt.Errorf("aws.autoscalingGroups: %q: %q is not %q or %q", group, role, metadata.RoleControlPlane, metadata.RoleWorker))
-		}
-	}
-	return append(errs, checkEndpoints("aws", map[string]string{"imdsEndpoint": c.IMDSEndpoint, "ec2Endpoint": c.EC2Endpoint})...)
-}
-
-// GCPConfig is the Compute Engine side of a node and of its join service.
-type GCPConfig struct {
-	// InstanceGroups maps the managed instance groups whose instances may join, as "<region or
-	// zone>/<name>", to their role. Membership of a group is Compute Engine's own record, so no node can pick
-	// its own role; instances of other groups, or of none, are refused. Control-plane nodes take them from
-	// their user-data (berth_node_config instance_groups) unless set here.
-	InstanceGroups map[string]metadata.Role `json:"instanceGroups,omitempty"`
-	// Project and Network are where the join service looks nodes up; the control-plane node's own by
-	// default (from the metadata server). Instances of other networks are never found.
-	Project string `json:"project,omitempty"`
-	Network string `json:"network,omitempty"`
-	// MetadataEndpoint and ComputeEndpoint replace Google's own endpoints, for emulators (tests, labs).
-	MetadataEndpoint string `json:"metadataEndpoint,omitempty"`
-	ComputeEndpoint  string `json:"computeEndpoint,omitempty"`
-	// EKCABundle replaces Google's vTPM EK CAs with the ones in this PEM file, for labs whose TPMs Google
-	// did not make.
-	EKCABundle string `json:"ekCABundle,omitempty"`
-}
-
-func (c *GCPConfig) validate() []error {
-	var errs []error
-	for group, role := range c.InstanceGroups {
-		if err := metadata.ValidateInstanceGroup(group); err != nil {
-			errs = append(errs, fmt.Errorf("gcp.instanceGroups: %w", err))
-		}
-		if !role.Valid() {
-			errs = append(errs, fmt.Errorf("gcp.instanceGroups: %q: %q is not %q or %q", group, role, metadata.RoleControlPlane, metadata.RoleWorker))
-		}
-	}
-	errs = append(errs, checkEndpoints("gcp", map[string]string{"metadataEndpoint": c.MetadataEndpoint, "computeEndpoint": c.ComputeEndpoint})...)
-	return errs
-}
-
-// checkEndpoints says which of the endpoints, set in the block named section, are not http(s) URLs.
-func checkEndpoints(section string, endpoints map[string]string) []error {
-	var errs []error
-	for _, name := range slices.Sorted(maps.Keys(endpoints)) {
-		ep := endpoints[name]
-		if ep == "" {
-			continue
-		}
-		if u, err := url.Parse(ep); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			errs = append(errs, fmt.Errorf("%s.%s %q is not an http(s) URL", section, name, ep))
-		}
-	}
-	return errs
 }
 
 // KubeletConfig is the kubelet's side of the image.
@@ -308,10 +236,10 @@ func (c *Config) Validate() error {
 		errs = append(errs, errors.New("set exactly one of metadataURL (a metadata service), userDataFile (bare metal), aws (EC2) and gcp (Compute Engine)"))
 	}
 	if c.AWS != nil {
-		errs = append(errs, c.AWS.validate()...)
+		errs = append(errs, c.AWS.Validate()...)
 	}
 	if c.GCP != nil {
-		errs = append(errs, c.GCP.validate()...)
+		errs = append(errs, c.GCP.Validate()...)
 	}
 	if c.MetricsListen != "" {
 		if _, port, err := net.SplitHostPort(c.MetricsListen); err != nil || port == "" {
@@ -333,6 +261,22 @@ func (c *Config) Validate() error {
 		}
 	}
 	return errors.Join(append(errs, checkPCRs(c.PCRs)...)...)
+}
+
+// Platform is the environment the configuration names, the one place where the agent chooses it. Validate
+// has checked that exactly one is named, and sourceAddress.
+func (c *Config) Platform() platform.Platform {
+	src, _ := netip.ParseAddr(c.SourceAddress)
+	switch {
+	case c.UserDataFile != "":
+		return baremetal.New(c.UserDataFile, src)
+	case c.AWS != nil:
+		return aws.New(*c.AWS)
+	case c.GCP != nil:
+		return gcp.New(*c.GCP)
+	default:
+		return lab.New(c.MetadataURL, src, c.EKCABundle)
+	}
 }
 
 // maxPCR is the highest PCR index of a TPM 2.0 (PC Client Platform Firmware Profile: 24 PCRs per bank).

@@ -278,3 +278,24 @@ func TestSealsLocally(t *testing.T) {
 		}
 	}
 }
+
+// TestPlatformChoice: the configuration's one source of metadata picks the platform, and with it how the
+// node reads itself and how its join service finds the other nodes.
+func TestPlatformChoice(t *testing.T) {
+	for _, c := range []struct {
+		content, want string
+	}{
+		{minimalConfig, "lab"},
+		{"userDataFile: /etc/berth/user-data.json\nstateDisk: /dev/vdb\n", "bare-metal"},
+		{"aws: {}\nstateDisk: /dev/nvme1n1\n", "aws"},
+		{"gcp: {}\nstateDisk: /dev/sdb\n", "gcp"},
+	} {
+		cfg, err := LoadConfig(writeConfig(t, c.content))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := cfg.Platform().Name(); got != c.want {
+			t.Errorf("%q: platform %q, want %q", c.content, got, c.want)
+		}
+	}
+}

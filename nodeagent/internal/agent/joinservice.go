@@ -5,19 +5,16 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net"
 	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -31,22 +28,16 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
-	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/cloud/apicalls"
-	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds"
-	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances"
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata"
-	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
-	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/nodeagent/internal/platform"
 	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
@@ -64,9 +55,6 @@ const serverCertValidity = 90 * 24 * time.Hour
 
 // ServeJoinService serves join tickets from this control-plane node's stored cluster secrets until ctx ends.
 func (a *Agent) ServeJoinService(ctx context.Context) error {
-	if a.cfg.UserDataFile != "" {
-		return errors.New("join service: a node without a metadata service (userDataFile) serves no joins")
-	}
 	self, err := a.self(ctx)
 	if err != nil {
 		return err
@@ -89,7 +77,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
 	}
-	instances, verifier, err := a.nodeRecords(ctx, self, tel.metrics, log)
+	records, err := a.platform.Records(ctx, self, platform.Env{Calls: apiCalls(tel.metrics), Logger: log})
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -120,8 +108,8 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		initialPolicy: a.publishInitialPolicy, followPolicy: a.followPolicy(log), log: log,
 		metrics: tel.metrics, health: tel.server, bootstrapTokens: true,
 	}, joinservice.Config{
-		Verifier:          verifier,
-		Instances:         instances,
+		Verifier:          records.Verifier,
+		Instances:         records.Instances,
 		MasterSecret:      secrets.MasterSecret,
 		Salt:              secrets.Salt,
 		KubernetesCA:      kubeCA,
@@ -255,99 +243,6 @@ func localAPIServer(kubeconfig string, addrs []netip.Addr) (string, error) {
 	return "https://" + net.JoinHostPort(addrs[0].String(), port), nil
 }
 
-// nodeRecords is where a control-plane node's join service finds who a connecting node is and whether its
-// TPM is genuine: on EC2, the EC2 API (instance by address, role by autoscaling group, the EK EC2 reports
-// for the instance); elsewhere the metadata service and the EK CA bundle.
-func (a *Agent) nodeRecords(ctx context.Context, self *metadata.Self, metrics *telemetry.Metrics, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
-	if a.cfg.GCP != nil {
-		return a.computeRecords(ctx, self, apiCalls(metrics, telemetry.APICompute), log)
-	}
-	if a.cfg.AWS == nil {
-		verifier, err := ekVerifier(a.cfg.EKCABundle)
-		return a.records, verifier, err
-	}
-	aws := a.cfg.AWS
-	// The image's agent.yaml may fix the groups; usually the cluster's Terraform names them in the
-	// control-plane nodes' user-data (berth_node_config autoscaling_groups).
-	groups := aws.AutoscalingGroups
-	if len(groups) == 0 {
-		groups = self.UserData.AutoscalingGroups
-	}
-	if len(groups) == 0 {
-		return nil, nil, errors.New("no autoscaling group may join: a control-plane node on EC2 admits the instances of the groups in its user-data (berth_node_config autoscaling_groups) or in agent.yaml's aws.autoscalingGroups, with their roles")
-	}
-	region, vpc := aws.Region, aws.VPCID
-	if region == "" || vpc == "" {
-		meta, ok := a.meta.(*imds.Client)
-		if !ok {
-			return nil, nil, errors.New("aws: region and vpcID are needed when the node does not read IMDS")
-		}
-		r, v, err := meta.Placement(ctx)
-		if err != nil {
-			return nil, nil, fmt.Errorf("finding this node's region and VPC: %w", err)
-		}
-		region, vpc = cmp.Or(region, r), cmp.Or(vpc, v)
-	}
-	api, err := ec2instances.NewAPI(ctx, region, aws.EC2Endpoint, log)
-	if err != nil {
-		return nil, nil, err
-	}
-	lookup, err := ec2instances.New(ec2instances.Config{API: api, VPCID: vpc, Roles: groups, Logger: log,
-		Calls: apiCalls(metrics, telemetry.APIEC2)})
-	if err != nil {
-		return nil, nil, err
-	}
-	log.Info("nodes are looked up in EC2", "region", region, "vpc", vpc, "autoscaling_groups", slices.Sorted(maps.Keys(groups)))
-	return lookup, attest.NewVerifier(attest.CloudEK{Cloud: "EC2", Source: lookup}), nil
-}
-
-// computeRecords is nodeRecords on Compute Engine: instances by address and roles by managed instance group
-// from the Compute API, called as this node's service account; vTPMs trusted by Google's EK certificate and
-// the Shielded identity the API reports for the instance.
-func (a *Agent) computeRecords(ctx context.Context, self *metadata.Self, calls apicalls.Counter, log *slog.Logger) (joinservice.InstanceLookup, *attest.Verifier, error) {
-	gcp := a.cfg.GCP
-	// As on EC2: the image's agent.yaml may fix the groups; usually the cluster's Terraform names them in
-	// the control-plane nodes' user-data (berth_node_config instance_groups).
-	groups := gcp.InstanceGroups
-	if len(groups) == 0 {
-		groups = self.UserData.InstanceGroups
-	}
-	if len(groups) == 0 {
-		return nil, nil, errors.New("no managed instance group may join: a control-plane node on Compute Engine admits the instances of the groups in its user-data (berth_node_config instance_groups) or in agent.yaml's gcp.instanceGroups, with their roles")
-	}
-	meta, ok := a.meta.(*gcemetadata.Client)
-	if !ok {
-		return nil, nil, errors.New("gcp: the join service calls the Compute API with the service account of the node's metadata server, and this node does not read one")
-	}
-	project, network := gcp.Project, gcp.Network
-	if project == "" || network == "" {
-		p, _, n, err := meta.Placement(ctx)
-		if err != nil {
-			return nil, nil, fmt.Errorf("finding this node's project and network: %w", err)
-		}
-		project, network = cmp.Or(project, p), cmp.Or(network, n)
-	}
-	svc, err := computeinstances.NewService(ctx, gcp.ComputeEndpoint, meta.TokenSource(ctx), log, calls)
-	if err != nil {
-		return nil, nil, err
-	}
-	lookup, err := computeinstances.New(computeinstances.Config{Service: svc, Project: project, Network: network, Groups: groups, Logger: log})
-	if err != nil {
-		return nil, nil, err
-	}
-	roots, inters, err := shieldedvm.GoogleCAs()
-	if gcp.EKCABundle != "" {
-		roots, inters, err = readCABundle(gcp.EKCABundle)
-	}
-	if err != nil {
-		return nil, nil, err
-	}
-	log.Info("nodes are looked up in Compute Engine", "project", project, "network", network,
-		"instance_groups", slices.Sorted(maps.Keys(groups)), "ek_cas", cmp.Or(gcp.EKCABundle, "Google's"))
-	trust := shieldedvm.NewTrust(roots, inters, computeinstances.NewIdentities(svc, log), nil)
-	return lookup, attest.NewVerifier(trust), nil
-}
-
 // apiVersion asks the API server for /version, which every client may read, within its context: discovery's
 // own ServerVersion takes none, and a probe stuck on a dead connection would keep reporting its last success.
 func apiVersion(kube kubernetes.Interface) func(context.Context) error {
@@ -363,34 +258,12 @@ func apiVersion(kube kubernetes.Interface) func(context.Context) error {
 	}
 }
 
-// apiCalls counts requests to api in metrics; nil, counting nothing, without metrics.
-func apiCalls(metrics *telemetry.Metrics, api string) apicalls.Counter {
+// apiCalls is metrics' counter of the requests to api; nil, counting nothing, without metrics.
+func apiCalls(metrics *telemetry.Metrics) func(api string) apicalls.Counter {
 	if metrics == nil {
 		return nil
 	}
-	return metrics.Calls(api)
-}
-
-// ekVerifier trusts the TPM vendors' EK CAs in bundle.
-func ekVerifier(bundle string) (*attest.Verifier, error) {
-	roots, inters, err := readCABundle(bundle)
-	if err != nil {
-		return nil, err
-	}
-	return attest.NewVerifier(attest.NewCertChain(roots, inters, nil)), nil
-}
-
-// readCABundle reads a PEM file of EK CAs: its self-signed certificates are roots, the others intermediates.
-func readCABundle(bundle string) (roots, intermediates *x509.CertPool, err error) {
-	data, err := os.ReadFile(bundle)
-	if err != nil {
-		return nil, nil, fmt.Errorf("EK CA bundle: %w", err)
-	}
-	roots, intermediates, err = attest.ParseCABundle(data)
-	if err != nil {
-		return nil, nil, fmt.Errorf("EK CA bundle %s: %w", bundle, err)
-	}
-	return roots, intermediates, nil
+	return func(api string) apicalls.Counter { return metrics.Calls(api) }
 }
 
 // publishInitialPolicy creates the policy ConfigMap from the init request's policy, unless it exists.

@@ -15,6 +15,7 @@ import (
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/platform"
 )
 
 // DefaultServiceConfigPath is where a join service beside an external control plane reads its configuration.
@@ -189,7 +190,7 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	verifier, err := ekVerifier(cfg.EKCABundle)
+	verifier, err := platform.EKVerifier(cfg.EKCABundle)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
