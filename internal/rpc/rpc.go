@@ -52,6 +52,20 @@ func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 	}
 }
 
+// StopGracefully stops s, letting running calls finish for at most d.
+func StopGracefully(s *grpc.Server, d time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(d):
+		s.Stop()
+	}
+}
+
 // PinnedTLS is the client side towards a join service: TLS 1.3, and the server's chain must contain a CA
 // whose SubjectPublicKeyInfo hashes to pin. Names are not checked: nodes reach the service by address or
 // through a load balancer, and only join services ever receive certificates from the join CA.

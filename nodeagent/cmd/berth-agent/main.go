@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berthlabs/berth/nodeagent/internal/agent"
+	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 )
 
 // Set at build time with -ldflags "-X main.version=…".
@@ -167,7 +168,7 @@ func runJoinService(args []string, stdout, stderr io.Writer) int {
 	const synopsis = "berth-agent joinservice [--config FILE | --service-config FILE] [--log-level LEVEL] [--debug-listen ADDR]"
 	fs := flag.NewFlagSet("berth-agent joinservice", flag.ContinueOnError)
 	f := addServiceFlags(fs)
-	serviceConfig := fs.String("service-config", "", "run beside an external control plane with this configuration (e.g. "+agent.DefaultServiceConfigPath+") instead of --config's")
+	serviceConfig := fs.String("service-config", "", "run beside an external control plane with this configuration (e.g. "+joinserver.DefaultServiceConfigPath+") instead of --config's")
 	if code, ok := parseFlags(fs, synopsis, args, stdout, stderr); !ok {
 		return code
 	}
@@ -181,11 +182,11 @@ func runJoinService(args []string, stdout, stderr io.Writer) int {
 	}
 	defer r.stop()
 	if *serviceConfig != "" {
-		cfg, err := agent.LoadServiceConfig(*serviceConfig)
+		cfg, err := joinserver.LoadServiceConfig(*serviceConfig)
 		if err != nil {
 			return r.fail(exitConfig, "configuration", err)
 		}
-		return r.done(agent.ServeStandalone(r.ctx, cfg, agent.KubeClient, r.log))
+		return r.done(joinserver.ServeStandalone(r.ctx, cfg, agent.KubeClient, r.log))
 	}
 	a, code, ok := r.newAgent(*f.config)
 	if !ok {

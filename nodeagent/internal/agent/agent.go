@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -121,12 +120,10 @@ type Agent struct {
 	vol      *luks.Volume
 	// mounted is set once the state volume is mounted in this boot.
 	mounted bool
-	// key is the disk key once it is set in this boot; unlock seals it.
-	key []byte
 	// telemetry is the process's metrics and health server, if agent.yaml sets metricsListen.
 	telemetry processTelemetry
-	// unlock seals the disk key in the TPM; nil on nodes that do not.
-	unlock *localunlock.Unlocker
+	// keeper seals the disk key in the TPM; nil on nodes that do not.
+	keeper *localunlock.Keeper
 }
 
 // New wires an agent.
@@ -166,7 +163,9 @@ func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
 	if err := u.a.disk.SetKey(ctx, initial, key); err != nil {
 		return err
 	}
-	u.a.key = bytes.Clone(key)
+	if u.a.keeper != nil {
+		u.a.keeper.SetKey(key)
+	}
 	if u.a.cfg.StateMount == "" || u.a.mounted {
 		return nil
 	}
@@ -211,7 +210,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 		sup := &kubelet.Supervisor{Binary: a.cfg.Kubelet.Binary, Paths: a.cfg.Paths, ExtraArgs: a.cfg.Kubelet.ExtraArgs, Logger: log}
 		go func() { kubeletDone <- sup.Run(ctx) }()
 	}
-	unlock, err := a.localUnlocker(ctx, prover, self.Instance.Role, log)
+	unlock, err := a.localUnlock(ctx, prover, self.Instance.Role, log)
 	if err != nil {
 		return err
 	}
@@ -257,10 +256,10 @@ func (a *Agent) Boot(ctx context.Context) error {
 	duties := 0
 	if unlock != nil {
 		if !unsealed {
-			a.sealAfterBoot(ctx, log, unlock, self.Instance.Role, unlockPolicy)
+			unlock.SealAfterBoot(ctx, unlockPolicy)
 		}
 		if self.Instance.Role != metadata.RoleControlPlane {
-			go a.refreshSeal(ctx, log, jc, unlock, prepared.UUID)
+			go a.refreshSeal(ctx, jc, unlock, prepared.UUID)
 			duties++
 		}
 	}
@@ -365,7 +364,7 @@ func (a *Agent) serveOnInitPort(register func(*grpc.Server), exchange, grace tim
 	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	register(gs)
 	go gs.Serve(lis)
-	return func() { stopGracefully(gs, grace) }, nil
+	return func() { rpc.StopGracefully(gs, grace) }, nil
 }
 
 // clusterRecorder publishes the cluster record right after kubeadm init, records this node's TPM as its
@@ -416,18 +415,4 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 
 func (a *Agent) self(ctx context.Context) (*metadata.Self, error) {
 	return metadata.WaitSelf(ctx, a.node, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
-}
-
-// stopGracefully lets running calls finish, for at most d.
-func stopGracefully(s *grpc.Server, d time.Duration) {
-	done := make(chan struct{})
-	go func() {
-		s.GracefulStop()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(d):
-		s.Stop()
-	}
 }

@@ -25,6 +25,7 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/test/joinlab"
@@ -128,7 +129,7 @@ func TestBootInitThenJoin(t *testing.T) {
 				KubeletDir: filepath.Join(dir, "var-lib-kubelet")},
 			SourceAddress: addr.String(), InitListen: net.JoinHostPort(addr.String(), strconv.Itoa(initPort)),
 			JoinListenHost: addr.String(), EKCABundle: bundle, PCRs: clustertest.QuotedPCRs,
-			RetryMax: Duration{200 * time.Millisecond},
+			RetryMax: configfile.Duration{Duration: 200 * time.Millisecond},
 		}
 		cfg.Defaults()
 		n := &labNode{cfg: cfg, kubeadm: &kubeadmRecorder{paths: cfg.Paths}, logs: &clustertest.SafeBuffer{}}

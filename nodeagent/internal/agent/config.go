@@ -4,17 +4,16 @@
 package agent
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
-	"strings"
 	"time"
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/configfile"
+	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
 	"github.com/berthlabs/berth/nodeagent/internal/platform/aws"
@@ -79,7 +78,7 @@ type Config struct {
 	PolicyConfigMap string `json:"policyConfigMap,omitempty"`
 	// CFSSL, if set, makes the join service sign kubelet client certificates through a CFSSL remote signer,
 	// so that the Kubernetes CA's key (ca.key) need not be on this machine.
-	CFSSL *CFSSLConfig `json:"cfssl,omitempty"`
+	CFSSL *joinserver.CFSSLConfig `json:"cfssl,omitempty"`
 	// SkipPhases are kubeadm init phases this image leaves out (e.g. addons whose images it does not carry).
 	SkipPhases []string `json:"skipPhases,omitempty"`
 	// ImageRepository is where kubeadm takes the control-plane images from (the image's own, preloaded).
@@ -87,7 +86,7 @@ type Config struct {
 	// Kubelet says how this machine runs its kubelet.
 	Kubelet KubeletConfig `json:"kubelet,omitempty"`
 	// RetryMax caps the join client's backoff.
-	RetryMax Duration `json:"retryMax,omitempty"`
+	RetryMax configfile.Duration `json:"retryMax,omitempty"`
 	// LocalUnlock seals the disk key in this node's TPM, under the join policy's images for its role, so that
 	// the node unlocks its disk at boot without a join service. Control-plane nodes seal unless it is false:
 	// without it a cluster whose control plane is all down at once never comes back. Workers seal only when
@@ -96,7 +95,7 @@ type Config struct {
 	LocalUnlock *bool `json:"localUnlock,omitempty"`
 	// LocalUnlockRefresh is how often a sealing worker asks the join service for the current policy, to
 	// seal again when it changed; DefaultLocalUnlockRefresh if zero. Control-plane nodes watch the policy.
-	LocalUnlockRefresh Duration `json:"localUnlockRefresh,omitempty"`
+	LocalUnlockRefresh configfile.Duration `json:"localUnlockRefresh,omitempty"`
 	// MetricsListen, if set, is where the join service and the init server serve their Prometheus metrics,
 	// /healthz and /readyz, in plain HTTP (docs/metrics.md). Off unless set: the port answers anyone who
 	// reaches it, so an operator opens it on the address a load balancer and a Prometheus can reach.
@@ -114,19 +113,6 @@ func (c *Config) sealsLocally(role metadata.Role) bool {
 	return role == metadata.RoleControlPlane
 }
 
-// CFSSLConfig names a CFSSL remote signer (`cfssl serve`) and the signing profile for kubelet client
-// certificates.
-type CFSSLConfig struct {
-	// URL is CFSSL's base URL, such as http://10.0.0.5:8888.
-	URL string `json:"url"`
-	// Profile is the signing profile; its auth_key is the one in AuthKeyFile.
-	Profile string `json:"profile"`
-	// AuthKeyFile holds the profile's HMAC key in hexadecimal, as CFSSL's config has it.
-	AuthKeyFile string `json:"authKeyFile"`
-	// Label picks the signer of a CFSSL with several; empty for one.
-	Label string `json:"label,omitempty"`
-}
-
 // KubeletConfig is the kubelet's side of the image.
 type KubeletConfig struct {
 	// Run makes the agent start the kubelet with kubeadm's flags, on machines without systemd.
@@ -140,60 +126,18 @@ type KubeletConfig struct {
 	AllowCgroupV1 bool   `json:"allowCgroupV1,omitempty"`
 }
 
-// Duration reads "5s"-style durations from the configuration file.
-type Duration struct{ time.Duration }
-
-// UnmarshalJSON implements json.Unmarshaler. Its error is what the configuration's message shows after the
-// field's name, so it says what a duration looks like: `retryMax: 5` most likely meant seconds.
-func (d *Duration) UnmarshalJSON(b []byte) error {
-	var s string
-	if json.Unmarshal(b, &s) == nil {
-		if v, err := time.ParseDuration(s); err == nil {
-			d.Duration = v
-			return nil
-		}
-	}
-	return fmt.Errorf("a duration such as 5s or 1m30s, not %s", b)
-}
-
-// MarshalJSON implements json.Marshaler.
-func (d Duration) MarshalJSON() ([]byte, error) { return []byte(`"` + d.String() + `"`), nil }
-
 // LoadConfig reads a configuration file and fills in defaults. Its errors name the file and, one problem a
-// line, every field that is wrong: those of the YAML's shape (unknown keys, values of the wrong type) with
-// their line, or else those Validate finds; a field that did not parse would only add misleading
-// complaints about its absence.
+// line, every field that is wrong (configfile.Load).
 func LoadConfig(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("reading agent configuration: %w", err)
-	}
 	var c Config
-	if err := decodeYAML(data, &c); err != nil {
-		return nil, &fileError{"parsing agent configuration " + path, err}
-	}
-	c.Defaults()
-	if err := c.Validate(); err != nil {
-		return nil, &fileError{"agent configuration " + path, err}
+	if err := configfile.Load(path, "agent configuration", &c, func() error {
+		c.Defaults()
+		return c.Validate()
+	}); err != nil {
+		return nil, err
 	}
 	return &c, nil
 }
-
-// fileError is the problems of a configuration file under a heading naming it: on the heading's line if
-// there is one, else one an indented line.
-type fileError struct {
-	heading string
-	err     error
-}
-
-func (e *fileError) Error() string {
-	if j, ok := e.err.(interface{ Unwrap() []error }); ok && len(j.Unwrap()) > 1 {
-		return e.heading + ":\n  " + strings.ReplaceAll(e.err.Error(), "\n", "\n  ")
-	}
-	return e.heading + ": " + e.err.Error()
-}
-
-func (e *fileError) Unwrap() error { return e.err }
 
 // Defaults fills in what a real node uses.
 func (c *Config) Defaults() {

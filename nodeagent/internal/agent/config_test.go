@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -39,7 +40,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 		Kubeadm:            "kubeadm",
 		EKCABundle:         "/etc/berth/ek-ca.pem",
 		PolicyConfigMap:    "berth-join-policy",
-		LocalUnlockRefresh: Duration{DefaultLocalUnlockRefresh},
+		LocalUnlockRefresh: configfile.Duration{Duration: DefaultLocalUnlockRefresh},
 	}
 	got, _ := json.Marshal(c)
 	wantJSON, _ := json.Marshal(want)
@@ -146,21 +147,6 @@ kubelet:
 	if !c.Kubelet.Run || c.RetryMax.Duration != 0 || c.TPM != "/dev/tpm0" || c.EKCABundle != "/dev/tpm0" ||
 		len(c.PCRs) != 2 || c.PCRs[0] != 7 {
 		t.Errorf("kubelet.run %v, retryMax %v, tpm %q, ekCABundle %q, pcrs %v", c.Kubelet.Run, c.RetryMax, c.TPM, c.EKCABundle, c.PCRs)
-	}
-}
-
-func TestDurationRoundTrip(t *testing.T) {
-	d := Duration{90 * time.Second}
-	b, err := json.Marshal(d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if string(b) != `"1m30s"` {
-		t.Errorf("marshalled %s, want \"1m30s\"", b)
-	}
-	var back Duration
-	if err := json.Unmarshal(b, &back); err != nil || back != d {
-		t.Errorf("round trip gave %v (%v), want %v", back, err, d)
 	}
 }
 

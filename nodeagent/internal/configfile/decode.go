@@ -1,4 +1,4 @@
-package agent
+package configfile
 
 import (
 	"encoding/json"
@@ -10,14 +10,14 @@ import (
 	"go.yaml.in/yaml/v3"
 )
 
-// decodeYAML decodes a configuration file's YAML into out (a pointer to a struct whose fields are named by
+// Decode decodes a configuration file's YAML into out (a pointer to a struct whose fields are named by
 // their json tags), matching every key exactly and reporting every problem of the file at once, each with
 // its line and the field's path. sigs.k8s.io/yaml's UnmarshalStrict cannot do this: it converts YAML to
 // JSON for encoding/json, which matches keys case-insensitively (`statedisk:` set stateDisk), stops at the
 // first problem and names neither the line nor, for a json.Unmarshaler such as Duration, the field. The
 // values still end up in out through encoding/json, so that the json tags and UnmarshalJSON methods the
 // rest of Berth uses stay the only definition of the format.
-func decodeYAML(data []byte, out any) error {
+func Decode(data []byte, out any) error {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
 		return err

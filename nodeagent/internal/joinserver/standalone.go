@@ -1,4 +1,4 @@
-package agent
+package joinserver
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
 )
@@ -70,24 +71,19 @@ type ServiceConfig struct {
 	// KubernetesVersion is told to nodes with their ticket, for their logs; optional.
 	KubernetesVersion string `json:"kubernetesVersion,omitempty"`
 	// Timeout bounds one node's whole exchange; default 30s.
-	Timeout Duration `json:"timeout,omitempty"`
+	Timeout configfile.Duration `json:"timeout,omitempty"`
 }
 
 // LoadServiceConfig reads a join service configuration file and checks it.
 func LoadServiceConfig(path string) (*ServiceConfig, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("reading join service configuration: %w", err)
-	}
 	var c ServiceConfig
-	if err := decodeYAML(data, &c); err != nil {
-		return nil, &fileError{"parsing join service configuration " + path, err}
-	}
-	if c.PolicyConfigMap == "" {
-		c.PolicyConfigMap = "berth-join-policy"
-	}
-	if err := c.Validate(); err != nil {
-		return nil, &fileError{"join service configuration " + path, err}
+	if err := configfile.Load(path, "join service configuration", &c, func() error {
+		if c.PolicyConfigMap == "" {
+			c.PolicyConfigMap = "berth-join-policy"
+		}
+		return c.Validate()
+	}); err != nil {
+		return nil, err
 	}
 	return &c, nil
 }
@@ -186,7 +182,7 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %s and %s: %w", cfg.JoinCACertificate, cfg.RootKeyFile, err)
 	}
-	kubeCA, signer, err := kubeletSigning(cfg.KubernetesCA, cfg.KubernetesCAKey, cfg.CFSSL, logger)
+	kubeCA, signer, err := KubeletSigning(cfg.KubernetesCA, cfg.KubernetesCAKey, cfg.CFSSL, logger)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
@@ -210,9 +206,9 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	return serveJoins(ctx, joinServer{
-		listen: cfg.Listen, names: cfg.ServerNames, ips: ips, kube: kube,
-		policyFile: cfg.PolicyFile, policyConfigMap: cfg.PolicyConfigMap, log: log,
+	return Serve(ctx, Options{
+		Listen: cfg.Listen, Names: cfg.ServerNames, IPs: ips, Kube: kube,
+		PolicyFile: cfg.PolicyFile, PolicyConfigMap: cfg.PolicyConfigMap, Log: log,
 	}, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         instances,

@@ -1,4 +1,4 @@
-package agent
+package joinserver
 
 import (
 	"log/slog"
@@ -27,7 +27,7 @@ func TestKubeletSigning(t *testing.T) {
 	}
 	keyFile := filepath.Join(dir, "cfssl-key")
 	signing := func(c *CFSSLConfig) (*pki.CA, joinservice.KubeletSigner, error) {
-		return kubeletSigning(filepath.Join(paths.PKIDir(), "ca.crt"), filepath.Join(paths.PKIDir(), "ca.key"), c, slog.New(slog.DiscardHandler))
+		return KubeletSigning(filepath.Join(paths.PKIDir(), "ca.crt"), filepath.Join(paths.PKIDir(), "ca.key"), c, slog.New(slog.DiscardHandler))
 	}
 
 	if _, _, err := signing(nil); err == nil || !strings.Contains(err.Error(), "configure cfssl") {

@@ -1,4 +1,4 @@
-package agent
+package joinserver
 
 import (
 	"context"
@@ -147,4 +147,13 @@ func TestServiceCertificateIPs(t *testing.T) {
 			}
 		})
 	}
+}
+
+func writeConfig(t *testing.T, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "join-service.yaml")
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
