@@ -23,12 +23,14 @@ var programs = []string{module, module + "/nodeagent/cmd/berth-agent", module + 
 type goPackage struct {
 	ImportPath string
 	Imports    []string
+	// TestImports and XTestImports are what the package's _test.go files import.
+	TestImports, XTestImports []string
 }
 
 // listPackages runs go list -deps on patterns and returns the packages of this module by import path.
 func listPackages(t *testing.T, patterns ...string) map[string]goPackage {
 	t.Helper()
-	cmd := exec.Command("go", append([]string{"list", "-deps", "-json=ImportPath,Imports"}, patterns...)...)
+	cmd := exec.Command("go", append([]string{"list", "-deps", "-json=ImportPath,Imports,TestImports,XTestImports"}, patterns...)...)
 	cmd.Dir = repotest.Root(t)
 	out, err := cmd.Output()
 	if err != nil {
@@ -120,5 +122,61 @@ func TestProgramsDependOnNoTestPackage(t *testing.T) {
 				t.Errorf("program %s depends on test package %s: %s", prog, p.ImportPath, strings.Join(importChain(deps, prog, p.ImportPath), " → "))
 			}
 		}
+	}
+}
+
+// programTrees are the directories of each program's own code: what only that program uses belongs under
+// its internal/, where Go itself keeps the others out.
+var programTrees = map[string]string{
+	module:                                "provider",
+	module + "/nodeagent/cmd/berth-agent": "nodeagent",
+	module + "/packer/cmd/packer-plugin-berth": "packer",
+}
+
+// TestInternalIsShared fails when a product package in the module's internal/ is linked into one program
+// only (or none) and no code outside that program's tree imports it, tests included: it belongs under that
+// program's internal/. Go keeps code outside a tree from importing the tree's internal packages, tests too,
+// so a package that the agent and the lab both use, or that a provider test holds the provider's copy of a
+// default against, stays shared.
+func TestInternalIsShared(t *testing.T) {
+	all := listPackages(t, "./...")
+	linkedBy := map[string][]string{}
+	for prog, tree := range programTrees {
+		for p := range listPackages(t, prog) {
+			linkedBy[p] = append(linkedBy[p], tree)
+		}
+	}
+	var checked int
+	for _, p := range all {
+		if !strings.HasPrefix(p.ImportPath, module+"/internal/") || isTestPackage(p) || recognisable(p.ImportPath) {
+			continue
+		}
+		checked++
+		trees := linkedBy[p.ImportPath]
+		if len(trees) > 1 {
+			continue
+		}
+		var owner string
+		if len(trees) == 1 {
+			owner = module + "/" + trees[0] + "/"
+		}
+		var outside []string
+		for _, q := range all {
+			imports := slices.Concat(q.Imports, q.TestImports, q.XTestImports)
+			if q.ImportPath != p.ImportPath && slices.Contains(imports, p.ImportPath) && (owner == "" || !strings.HasPrefix(q.ImportPath+"/", owner)) {
+				outside = append(outside, q.ImportPath)
+			}
+		}
+		switch {
+		case len(trees) == 0 && len(outside) == 0:
+			t.Errorf("%s is linked into no program and imported by no test harness: remove it", p.ImportPath)
+		case len(trees) == 0:
+			t.Errorf("%s is linked into no program, only imported by tests (%s): move it under test/", p.ImportPath, strings.Join(outside, ", "))
+		case len(outside) == 0:
+			t.Errorf("%s is linked into %s only, and no harness outside it needs it: move it under %s/internal/", p.ImportPath, trees[0], trees[0])
+		}
+	}
+	if checked == 0 {
+		t.Fatal("found no product package under internal/: the rule that finds them is broken")
 	}
 }

@@ -12,11 +12,12 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/berthlabs/berth/internal/api/berthv1"
-	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
+
+	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 func newProver(t *testing.T, ca *swtpmtest.CA) *attest.Prover {

@@ -16,7 +16,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // cloudEKs answers as a cloud's API does: the EK public key of each instance's TPM.

@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/instancecache"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/clocktest"
 )
 
 // countingLookup knows one instance and counts the calls per address; release, if set, holds every call

@@ -21,7 +21,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // QuotedPCRs are the PCRs the fixture's policies pin. A fresh swtpm starts with them all zero.

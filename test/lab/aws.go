@@ -28,8 +28,8 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds/imdstest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/imdstest"
 )
 
 // AWSConfig makes every node of a lab an EC2 instance, as far as one machine can be EC2:

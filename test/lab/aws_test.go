@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds/imdstest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/imdstest"
 )
 
 // TestAWSLab runs the agents as on EC2 (AWSConfig): every node reads itself from its own IMDS (AWS's

@@ -23,7 +23,6 @@ import (
 	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
 	"sigs.k8s.io/yaml"
 
-	"github.com/berthlabs/berth/internal/cfssl/cfssltest"
 	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/keys"
@@ -32,6 +31,7 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/test/cfssltest"
 	"github.com/berthlabs/berth/test/kubetest"
 )
 

@@ -12,7 +12,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/manifest"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // TestMeasureImageMatchesPrediction measures an image into a real swtpm as a lab node's firmware does and

@@ -19,11 +19,11 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances/computetest"
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata/gcemetadatatest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm/shieldedvmtest"
 	"github.com/berthlabs/berth/internal/metadata"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/gcemetadatatest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // GCPConfig makes every node of a lab a Compute Engine Shielded VM instance, as far as one machine can be

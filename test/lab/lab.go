@@ -48,7 +48,7 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
-	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/test/swtpm"
 )
 
 // QuotedPCRs are the PCRs the lab's nodes quote and its policy pins; a fresh swtpm has them all zero, and

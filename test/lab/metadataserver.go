@@ -13,8 +13,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata/gcemetadatatest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/gcemetadatatest"
 )
 
 // ServeMetadata serves the metadata document in the file document on lis until ctx ends. Nodes come and go

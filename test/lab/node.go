@@ -26,7 +26,7 @@ import (
 	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
-	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/test/swtpm"
 )
 
 // nodeMounts are the directories a node has of its own, over the host's: what kubeadm, the kubelet,

@@ -39,7 +39,7 @@ type Machine struct {
 	// Console, if set, receives the serial console as the machine writes it.
 	Console io.Writer
 	// TPMState, if set, is the swtpm state directory the machine boots with, such as one manufactured with
-	// an EK certificate (internal/swtpm); otherwise its TPM starts empty, in Dir.
+	// an EK certificate (test/swtpm); otherwise its TPM starts empty, in Dir.
 	TPMState string
 	// Disks are raw disk images attached read-write after the boot disk: /dev/vdb, /dev/vdc, … in the guest.
 	Disks []string

@@ -18,7 +18,7 @@ import (
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/recoveryclient"
+	"github.com/berthlabs/berth/nodeagent/internal/recoveryclient"
 )
 
 // maxInputFile bounds the files recover reads (policy, manifest, EK bundle, root key).

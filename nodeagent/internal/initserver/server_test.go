@@ -33,9 +33,9 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // quotedPCRs are what the tests expect: a fresh swtpm has them all zero.

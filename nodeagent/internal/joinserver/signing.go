@@ -8,8 +8,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/cfssl"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 )
 

@@ -7,8 +7,8 @@ import (
 	"net"
 	"time"
 
-	"github.com/berthlabs/berth/internal/cfssl"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/cfssl"
 )
 
 // caSigner signs with a CA key the service holds: the cluster CA of a cluster Berth initialized.

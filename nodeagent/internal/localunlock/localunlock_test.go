@@ -16,8 +16,8 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // node is a real swtpm and a real LUKS2 state disk, keyed.

@@ -21,13 +21,13 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/recoveryclient"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
+	"github.com/berthlabs/berth/nodeagent/internal/recoveryclient"
 	"github.com/berthlabs/berth/nodeagent/internal/recoveryserver"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 	"github.com/berthlabs/berth/test/clustertest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // recordingDisk is the real state disk, remembering every key it was asked to take.

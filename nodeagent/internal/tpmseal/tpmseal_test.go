@@ -13,7 +13,7 @@ import (
 	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
 
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // newTPM starts a swtpm and opens its command channel.

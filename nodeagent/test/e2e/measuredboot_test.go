@@ -29,13 +29,13 @@ import (
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/test/clustertest"
 	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/test/measuredboot"
 	"github.com/berthlabs/berth/test/packertest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // The guest's view of the host (examples/packer/node): the instance metadata, and the control-plane node

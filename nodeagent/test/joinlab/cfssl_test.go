@@ -13,13 +13,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berthlabs/berth/internal/cfssl"
-	"github.com/berthlabs/berth/internal/cfssl/cfssltest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/cfssl"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/test/cfssltest"
 )
 
 // swappableSigner lets the test change the join service's CFSSL settings while nodes retry.

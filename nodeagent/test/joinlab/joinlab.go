@@ -30,11 +30,11 @@ import (
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 	"github.com/berthlabs/berth/test/clustertest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // Lab is one cluster's join side.

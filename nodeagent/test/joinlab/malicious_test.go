@@ -32,12 +32,12 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 	"github.com/berthlabs/berth/test/clustertest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 type bidi = grpc.BidiStreamingClient[berthv1.JoinClientMessage, berthv1.JoinServerMessage]

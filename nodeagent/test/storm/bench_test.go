@@ -20,7 +20,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // poolSize is the number of swtpm processes the storm's agents share.

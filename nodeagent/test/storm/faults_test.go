@@ -18,12 +18,12 @@ import (
 	bootstrapapi "k8s.io/cluster-bootstrap/token/api"
 
 	"github.com/berthlabs/berth/internal/backoff"
-	"github.com/berthlabs/berth/internal/failpoint"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/nodeagent/internal/failpoint"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"

@@ -49,17 +49,17 @@ import (
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds/imdstest"
 	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/repotest"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
 	"github.com/berthlabs/berth/test/clustertest"
+	"github.com/berthlabs/berth/test/imdstest"
 	"github.com/berthlabs/berth/test/kubetest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // Host is the cluster side of a storm.

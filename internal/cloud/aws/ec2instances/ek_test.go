@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
+	"github.com/berthlabs/berth/test/clocktest"
 )
 
 // Keys are made once: RSA-2048 generation under -race takes long.

@@ -17,9 +17,9 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances/computetest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/clocktest"
 )
 
 // Keys are made once: RSA generation under -race takes long.

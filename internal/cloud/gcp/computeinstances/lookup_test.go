@@ -17,10 +17,10 @@ import (
 	compute "google.golang.org/api/compute/v1"
 
 	"github.com/berthlabs/berth/internal/attest"
-	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances/computetest"
 	"github.com/berthlabs/berth/internal/instancecache"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/clocktest"
 )
 
 // Lookup is what the join service needs of a cloud: its instance lookup (behind instancecache) and the EK

@@ -14,9 +14,9 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
-	"github.com/berthlabs/berth/internal/cloud/aws/imds"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/aws/imds"
 	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 

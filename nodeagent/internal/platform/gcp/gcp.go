@@ -14,10 +14,10 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/computeinstances"
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/gcp/gcemetadata"
 	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 

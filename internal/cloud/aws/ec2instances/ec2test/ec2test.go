@@ -28,7 +28,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/berthlabs/berth/internal/tlstest"
+	"github.com/berthlabs/berth/test/tlstest"
 )
 
 // APIVersion is the EC2 API version the SDK sends.

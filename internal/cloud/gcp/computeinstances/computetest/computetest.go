@@ -35,7 +35,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/berthlabs/berth/internal/tlstest"
+	"github.com/berthlabs/berth/test/tlstest"
 )
 
 // BasePath is the path Compute Engine's v1 API lives under; Server.Endpoint ends with it.

@@ -4,7 +4,7 @@ package main
 import (
 	"fmt"
 
-	"github.com/berthlabs/berth/internal/failpoint"
+	"github.com/berthlabs/berth/nodeagent/internal/failpoint"
 )
 
 func main() {

@@ -18,9 +18,9 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/oauth2"
 
-	"github.com/berthlabs/berth/internal/clocktest"
-	"github.com/berthlabs/berth/internal/cloud/gcp/gcemetadata/gcemetadatatest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/clocktest"
+	"github.com/berthlabs/berth/test/gcemetadatatest"
 )
 
 var testUserData = metadata.UserData{

@@ -10,8 +10,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/berthlabs/berth/internal/cloud/aws/imds/imdstest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/imdstest"
 )
 
 // These tests run the client against amazon-ec2-metadata-mock, AWS's IMDS emulator, with IMDSv2 required.

@@ -17,8 +17,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/berthlabs/berth/internal/clocktest"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/test/clocktest"
 )
 
 var testUserData = metadata.UserData{

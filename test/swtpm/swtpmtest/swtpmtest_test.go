@@ -10,7 +10,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm/shieldedvmtest"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // TestWriteEKCertificate gives a certificate-less swtpm a Compute Engine-shaped EK certificate for its own

@@ -19,7 +19,7 @@ import (
 	"github.com/google/go-tpm/tpm2/transport"
 
 	"github.com/berthlabs/berth/internal/repotest"
-	"github.com/berthlabs/berth/internal/swtpm"
+	"github.com/berthlabs/berth/test/swtpm"
 )
 
 // CA is a test endorsement-key CA.

@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berthlabs/berth/internal/cfssl/cfssltest"
+	"github.com/berthlabs/berth/test/cfssltest"
 )
 
 // caCSR returns a CSR that asks for a CA certificate, which the kubelet profile must refuse.
