@@ -27,7 +27,6 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
-	"github.com/berthlabs/berth/nodeagent/internal/kubelet"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
@@ -176,111 +175,6 @@ func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
 	return nil
 }
 
-// Boot makes this node a cluster member (or a member again), then, on control-plane nodes, serves the join
-// service until ctx ends.
-func (a *Agent) Boot(ctx context.Context) error {
-	// This line and the instance's below mark where a boot's time goes (the lab's join figures read them).
-	a.log.Info("boot started", "state_disk", a.cfg.StateDisk)
-	prover, err := a.deps.OpenProver(a.cfg.TPM)
-	if err != nil {
-		return fmt.Errorf("opening the TPM: %w", err)
-	}
-	defer prover.Close()
-	self, err := a.self(ctx)
-	if err != nil {
-		return err
-	}
-	log := a.log.With("node", self.Instance.Name, "role", string(self.Instance.Role))
-	log.Info("instance metadata read", "image", self.Instance.ImageID)
-	prepared, err := a.disk.Prepare(ctx)
-	if err != nil {
-		return err
-	}
-	lock := &nodestate.Lock{}
-	// The join client names the node in its own lines.
-	jc := a.joinClient(prover, lock, a.log)
-	ctx, stopKubelet := context.WithCancel(ctx)
-	defer stopKubelet()
-	kubeletDone := make(chan error, 1)
-	startKubelet := func() {
-		if !a.cfg.Kubelet.Run {
-			kubeletDone <- nil
-			return
-		}
-		sup := &kubelet.Supervisor{Binary: a.cfg.Kubelet.Binary, Paths: a.cfg.Paths, ExtraArgs: a.cfg.Kubelet.ExtraArgs, Logger: log}
-		go func() { kubeletDone <- sup.Run(ctx) }()
-	}
-	unlock, err := a.localUnlock(ctx, prover, self.Instance.Role, log)
-	if err != nil {
-		return err
-	}
-	// unlockPolicy is what the node learnt in this boot that it may seal its key to, if anything; unsealed
-	// says the key came from its TPM, where it is sealed already, to the policy the node followed last.
-	var unlockPolicy []byte
-	unsealed := false
-	if !prepared.Fresh {
-		if unlockPolicy, unsealed, err = a.unlockKeyed(ctx, log, jc, unlock, prover, self, prepared.UUID); err != nil {
-			return err
-		}
-		state, err := nodestate.Read(a.cfg.Paths.State)
-		switch {
-		case errors.Is(err, nodestate.ErrNoState):
-			// An earlier boot keyed the disk and died before the join finished. The disk is this TPM's (the
-			// service checked), so the node joins again; the join client clears what the kubeadm method
-			// half-wrote, and the kubelet waits for the new join's configuration.
-			log.Warn("the state disk was keyed but the node never finished joining; joining again")
-			if err := kubelet.RemoveStartFiles(a.cfg.Paths); err != nil {
-				return err
-			}
-			startKubelet()
-			if _, err := jc.Join(ctx, statedisk.Prepared{UUID: prepared.UUID}); err != nil {
-				return err
-			}
-			// The join ticket brought the current policy.
-			unsealed = false
-		case err != nil:
-			return fmt.Errorf("state disk unlocked but: %w", err)
-		default:
-			startKubelet()
-			log.Info("node rejoined", "cluster", state.ClusterID, "member_since", state.Since)
-		}
-	} else {
-		// kubeadm waits for a running kubelet during init and join; the supervisor starts it as soon as
-		// kubeadm has written its configuration.
-		startKubelet()
-		if err := a.firstBoot(ctx, log, self, prepared, prover, lock, jc); err != nil {
-			return err
-		}
-	}
-	// Work that goes on while the node runs keeps the agent up: the seal's refresh, the kubelet's renewal.
-	duties := 0
-	if unlock != nil {
-		if !unsealed {
-			unlock.SealAfterBoot(ctx, unlockPolicy)
-		}
-		if self.Instance.Role != metadata.RoleControlPlane {
-			go a.refreshSeal(ctx, jc, unlock, prepared.UUID)
-			duties++
-		}
-	}
-	if state, err := nodestate.Read(a.cfg.Paths.State); err == nil && state.KubeletRenewal {
-		go a.renewKubeletCertificate(ctx, log, jc, prepared.UUID)
-		duties++
-	}
-	log.Info("boot finished")
-	switch {
-	case self.Instance.Role == metadata.RoleControlPlane:
-		err = a.ServeJoinService(ctx)
-	case a.cfg.Kubelet.Run || duties > 0:
-		// The agent is the kubelet's supervisor, or has work while the node runs: it stays until stopped.
-		<-ctx.Done()
-		err = ctx.Err()
-	}
-	stopKubelet()
-	<-kubeletDone
-	return err
-}
-
 // firstBoot runs the init server (on control-plane nodes that have an init secret) beside the join client;
 // whichever takes the node lock first makes the node a member, and the other stops.
 func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.Self, prepared statedisk.Prepared, prover Prover, lock *nodestate.Lock, jc *joinclient.Client) error {
@@ -315,6 +209,8 @@ func (a *Agent) firstBoot(ctx context.Context, log *slog.Logger, self *metadata.
 		log.Info("initialized by the init server; join client stopped")
 		return nil
 	case <-ctx.Done():
+		jc.Stop()
+		<-joined
 		return ctx.Err()
 	}
 }

@@ -80,7 +80,11 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	go removeBootstrapAutoApproval(ctx, kube, log)
+	var running sync.WaitGroup
+	defer running.Wait()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	running.Go(func() { removeBootstrapAutoApproval(ctx, kube, log) })
 	ips := make([]net.IP, len(self.Instance.Addresses))
 	for i, addr := range self.Instance.Addresses {
 		ips[i] = addr.AsSlice()

@@ -107,6 +107,8 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 		log.Info("state disk unlocked by the operator's recovery; rejoin stopped", "disk", disk)
 		return nil, false, nil
 	case <-ctx.Done():
+		jc.Stop()
+		<-done
 		return nil, false, ctx.Err()
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -60,13 +61,15 @@ type Options struct {
 // Serve runs a join service with cfg (its policy from s) until ctx ends. It owns every goroutine it starts:
 // they end when ctx does or when it returns.
 func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
+	var running sync.WaitGroup
+	defer running.Wait()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	store := policy.NewStore(&policy.Policy{})
 	if s.Metrics != nil {
 		cfg.Metrics = s.Metrics
 		telemetry.CountKubernetesRequests(s.Metrics.Calls(telemetry.APIKubernetes))
-		loaded := watchPolicyLoads(ctx, store, s.Metrics)
+		loaded := watchPolicyLoads(ctx, &running, store, s.Metrics)
 		if s.Health != nil {
 			api := telemetry.StartProbe(ctx, apiProbeInterval, apiProbeTimeout, apiVersion(s.Kube), s.Metrics.APIReachable)
 			s.Health.AddCheck("policy", loaded)
@@ -76,20 +79,20 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	if s.FollowPolicy != nil {
 		// The empty policy the store starts with is no one's: only what a watcher loads is followed.
 		changed := store.Changed()
-		go s.FollowPolicy(ctx, store, changed)
+		running.Go(func() { s.FollowPolicy(ctx, store, changed) })
 	}
 	watchErr := make(chan error, 1)
 	if s.PolicyFile != "" {
-		go func() { watchErr <- policy.WatchFile(ctx, s.PolicyFile, 5*time.Second, store, s.Log) }()
+		running.Go(func() { watchErr <- policy.WatchFile(ctx, s.PolicyFile, 5*time.Second, store, s.Log) })
 	} else {
 		if s.InitialPolicy != nil {
 			if err := s.InitialPolicy(ctx, s.Kube); err != nil {
 				s.Log.Warn("publishing the initial join policy", "error", err)
 			}
 		}
-		go func() {
+		running.Go(func() {
 			watchErr <- policy.WatchConfigMap(ctx, s.Kube, joinservice.Namespace, s.PolicyConfigMap, store, s.Log)
-		}()
+		})
 	}
 	cfg.Policy = store
 	records, err := joinservice.WatchNodeRecords(ctx, s.Kube, s.BootstrapTokens)
@@ -101,7 +104,7 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	}
 	disks := &joinservice.KubeDisks{Client: s.Kube, Records: records}
 	cfg.Disks = disks
-	go collectDiskRecords(ctx, disks, cfg.Instances, s.Log)
+	running.Go(func() { collectDiskRecords(ctx, disks, cfg.Instances, s.Log) })
 	svc, err := joinservice.New(cfg)
 	if err != nil {
 		return err
@@ -121,7 +124,7 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	gs := grpc.NewServer(append(rpc.ServerOptions(cert), rpc.OneExchange())...)
 	berthv1.RegisterJoinServiceServer(gs, svc)
 	served := make(chan error, 1)
-	go func() { served <- gs.Serve(admitted) }()
+	running.Go(func() { served <- gs.Serve(admitted) })
 	s.Log.Info("join service listening", "address", lis.Addr().String(), "method", cfg.Method.String())
 	select {
 	case <-ctx.Done():
@@ -182,13 +185,13 @@ const (
 	apiProbeTimeout  = 5 * time.Second
 )
 
-// watchPolicyLoads records each policy the store's source loads in metrics, until ctx ends, and returns a
-// readiness check that passes once one was loaded. It takes the store's Changed at once, before any source
-// can set the store.
-func watchPolicyLoads(ctx context.Context, store *policy.Store, metrics *telemetry.Metrics) telemetry.Check {
+// watchPolicyLoads records each policy the store's source loads in metrics, until ctx ends, in a goroutine
+// of running, and returns a readiness check that passes once one was loaded. It takes the store's Changed at
+// once, before any source can set the store.
+func watchPolicyLoads(ctx context.Context, running *sync.WaitGroup, store *policy.Store, metrics *telemetry.Metrics) telemetry.Check {
 	var loaded atomic.Bool
 	changed := store.Changed()
-	go func() {
+	running.Go(func() {
 		for {
 			select {
 			case <-ctx.Done():
@@ -207,7 +210,7 @@ func watchPolicyLoads(ctx context.Context, store *policy.Store, metrics *telemet
 			metrics.PolicyLoaded(len(p.Images), version, time.Now())
 			loaded.Store(true)
 		}
-	}()
+	})
 	return func() error {
 		if !loaded.Load() {
 			return errors.New("no join policy loaded yet")

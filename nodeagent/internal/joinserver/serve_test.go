@@ -1,6 +1,8 @@
 package joinserver
 
 import (
+	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -13,7 +15,11 @@ import (
 func TestPolicyLoadsWatched(t *testing.T) {
 	m := telemetry.New(telemetry.Labels{})
 	store := policy.NewStore(nil)
-	check := watchPolicyLoads(t.Context(), store, m)
+	ctx, cancel := context.WithCancel(t.Context())
+	var running sync.WaitGroup
+	defer running.Wait()
+	defer cancel()
+	check := watchPolicyLoads(ctx, &running, store, m)
 	if check() == nil {
 		t.Fatal("ready before any policy was loaded")
 	}
