@@ -180,7 +180,7 @@ func TestTLS(t *testing.T) {
 			Credentials: credentials.NewStaticCredentialsProvider("AKIAIOSFODNN7EXAMPLE", "secret", ""),
 			HTTPClient:  &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots}}},
 			Retryer:     func() aws.Retryer { return aws.NopRetryer{} },
-		}, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
+		}, ec2instances.GuardBodies, func(o *ec2.Options) { o.BaseEndpoint = aws.String(srv.URL) })
 		out, err := api.DescribeInstances(t.Context(), &ec2.DescribeInstancesInput{})
 		if err == nil && strings.Join(ids(out), ",") != "i-00000000000000001" {
 			t.Errorf("got %v", ids(out))
