@@ -92,6 +92,7 @@ func wrapped(texts ...string) *regexp.Regexp {
 // TestAdminCredentialsRefused checks the arguments berth_admin_credentials refuses, each at plan, with
 // what terraform prints.
 func TestAdminCredentialsRefused(t *testing.T) {
+	t.Parallel()
 	root, ca := newRootKey(t)
 	other, _ := newRootKey(t)
 	endpoint := `api_server_endpoint = "10.0.0.10:6443"`
@@ -131,6 +132,7 @@ func TestAdminCredentialsRefused(t *testing.T) {
 // of the CA the root key derives, in group kubeadm:cluster-admins under user_name, valid for validity, and
 // a kubeconfig of them for host.
 func TestAdminCredentialsMinted(t *testing.T) {
+	t.Parallel()
 	root, ca := newRootKey(t)
 	// A case each: the echo resource keeps what it first echoed.
 	for _, c := range []struct {

@@ -33,7 +33,7 @@ import (
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // gcpInstance is gcp for an instance of the project and zone that TestClusterGCPInit's Google-shaped vTPM
@@ -73,6 +73,7 @@ resource "terraform_data" "node" {
 // part of the instance is named with its value, all in one run, even while another part is unknown; a bad
 // CA bundle is named; and a wholly unknown gcp or aws block (set from another resource's output) plans.
 func TestClusterGCPValidation(t *testing.T) {
+	t.Parallel()
 	vars := config.Variables{"root_key": config.StringVariable(base64.StdEncoding.EncodeToString(make([]byte, 32)))}
 	good := clusterArgs("127.0.0.1:1", "lab", zeroPCR11)
 	// partError matches Terraform's rendering of an error on berth_cluster.test. Terraform shows the
@@ -126,6 +127,7 @@ func TestClusterGCPValidation(t *testing.T) {
 // a CA other than gcp's, is refused; the one certified for the instance is initialized, and a later change
 // of how gcp names it changes only state.
 func TestClusterGCPInit(t *testing.T) {
+	t.Parallel()
 	localCA := swtpmtest.NewCA(t)
 	plainNode := startTestNode(t, localCA.NewTPM(t))
 
@@ -330,6 +332,7 @@ func initResult(req *berthv1.InitRequest) (*berthv1.InitResult, error) {
 // does not show for attributes inside a block: each bad part of gcp on its own attribute, all at once, none
 // on a part not known yet; several trusts on the last one set; none for a block not known yet.
 func TestClusterTrustDiagnosticPaths(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	var sch fwresource.SchemaResponse
 	(&clusterResource{}).Schema(ctx, fwresource.SchemaRequest{}, &sch)

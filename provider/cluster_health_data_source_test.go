@@ -300,6 +300,7 @@ func putDiskRecord(t *testing.T, kube kubernetes.Interface, disk, machine string
 // source finds the nodes it waits for, and neither the state file nor `terraform show -json` holds a private
 // key, a kubeconfig or a secret of the root key.
 func TestClusterHealthEphemeralOnly(t *testing.T) {
+	t.Parallel()
 	c := startHealthCluster(t)
 	c.bindClusterAdmins(t)
 	putReadyNodes(t, c.api.Client, true, "cp-0")
@@ -375,6 +376,7 @@ func (c *healthCluster) vars(endpoint string) config.Variables {
 // registered and whether the join service admitted them; an API server that does not answer, a certificate
 // of another CA, a kubeconfig not known at plan and wrong arguments each fail with their own message.
 func TestClusterHealthDataSource(t *testing.T) {
+	t.Parallel()
 	c := startHealthCluster(t)
 	kube := c.api.Client
 	foreign := filepath.Join(t.TempDir(), "foreign.conf")
@@ -484,6 +486,7 @@ data "berth_cluster_health" "this" {
 
 // TestClusterHealthReadyz checks how a failing /readyz is reported: by the checks that fail.
 func TestClusterHealthReadyz(t *testing.T) {
+	t.Parallel()
 	body := []byte("[+]ping ok\n[-]etcd failed: reason withheld\n[+]log ok\n[-]poststarthook/rbac/bootstrap-roles failed: not finished\nreadyz check failed\n")
 	got := readyzError(body, errors.New("the server is currently unable to handle the request")).Error()
 	want := "/readyz: not ready: etcd failed: reason withheld; poststarthook/rbac/bootstrap-roles failed: not finished"

@@ -17,8 +17,8 @@ import (
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/pki"
-	"github.com/berthlabs/berth/internal/swtpm"
 	"github.com/berthlabs/berth/test/kubetest"
+	"github.com/berthlabs/berth/test/swtpm"
 )
 
 // clusterConfig is berth_secrets, its ephemeral twin and a berth_cluster fed from them; cluster holds the
@@ -74,6 +74,7 @@ var zeroPCR11 = fmt.Sprintf(`{ "11" = %q }`, strings.Repeat("0", 64))
 // TestClusterResourceRefusals covers what berth_cluster refuses before it reaches a node: plan-time checks
 // of every argument, missing secrets, a node that never answers, and import.
 func TestClusterResourceRefusals(t *testing.T) {
+	t.Parallel()
 	ca, err := swtpm.NewCA(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -144,6 +145,7 @@ func TestClusterResourceRefusals(t *testing.T) {
 // TestCheckCluster covers what a refresh of berth_cluster concludes, against a real kube-apiserver: the
 // cluster is here, another cluster or none answers (gone), or nothing answers (kept).
 func TestCheckCluster(t *testing.T) {
+	t.Parallel()
 	api := kubetest.Start(t)
 	ctx := context.Background()
 	const id, other = "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"

@@ -16,6 +16,7 @@ import (
 // and valid against the provider's real schema, each directory copied alone as a user would copy it: with
 // nothing added, its own required_providers must name berthlabs/berth, or terraform looks for hashicorp/berth.
 func TestExamplesValidate(t *testing.T) {
+	t.Parallel()
 	dirs, err := filepath.Glob("../examples/*/berth_*")
 	if err != nil {
 		t.Fatal(err)
@@ -76,6 +77,7 @@ func exampleDirs(t *testing.T) []string {
 // gives berth the source berthlabs/berth. Without it an example copied alone fails at terraform init, which
 // looks for hashicorp/berth.
 func TestExamplesDeclareProvider(t *testing.T) {
+	t.Parallel()
 	for _, dir := range exampleDirs(t) {
 		t.Run(filepath.ToSlash(strings.TrimPrefix(dir, "../examples/")), func(t *testing.T) {
 			files, err := filepath.Glob(filepath.Join(dir, "*.tf"))

@@ -34,6 +34,7 @@ func writeManifest(t *testing.T) string {
 }
 
 func TestImageDataSource(t *testing.T) {
+	t.Parallel()
 	name := writeManifest(t)
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
@@ -83,6 +84,7 @@ data "berth_image" "x" {
 }
 
 func TestReadManifestRefusesHugeFile(t *testing.T) {
+	t.Parallel()
 	name := filepath.Join(t.TempDir(), "huge.json")
 	if err := os.WriteFile(name, make([]byte, 2<<20), 0o600); err != nil {
 		t.Fatal(err)

@@ -73,6 +73,7 @@ func imageNames(p *policy.Policy) string {
 // TestJoinPolicyResource runs berth_join_policy against a real kube-apiserver: create, drift made outside
 // Terraform and repaired, an image dropped, import, plan-time refusals, destroy.
 func TestJoinPolicyResource(t *testing.T) {
+	t.Parallel()
 	api := kubetest.Start(t)
 	kubeconfig := filepath.Join(t.TempDir(), "admin.conf")
 	if err := os.WriteFile(kubeconfig, api.Kubeconfig, 0o600); err != nil {
@@ -178,6 +179,7 @@ func TestJoinPolicyResource(t *testing.T) {
 }
 
 func TestJoinPolicyNeedsKubeconfig(t *testing.T) {
+	t.Parallel()
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{{
@@ -190,6 +192,7 @@ func TestJoinPolicyNeedsKubeconfig(t *testing.T) {
 // TestJoinPolicyClusterID checks that a policy bound to a cluster ID is written only into that cluster,
 // and that the ID of a cluster's record is read back.
 func TestJoinPolicyClusterID(t *testing.T) {
+	t.Parallel()
 	api := kubetest.Start(t)
 	kubeconfig := filepath.Join(t.TempDir(), "admin.conf")
 	if err := os.WriteFile(kubeconfig, api.Kubeconfig, 0o600); err != nil {

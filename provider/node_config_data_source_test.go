@@ -79,6 +79,7 @@ func checkCloudInit(addr string, want metadata.UserData, wantHostname string) re
 }
 
 func TestNodeConfigDataSource(t *testing.T) {
+	t.Parallel()
 	hash, err := initsecret.Hash([]byte("test-init-secret"))
 	if err != nil {
 		t.Fatal(err)
@@ -183,6 +184,7 @@ func attrError(summary, attr, detail string) *regexp.Regexp {
 }
 
 func TestNodeConfigBareMetal(t *testing.T) {
+	t.Parallel()
 	hash, err := initsecret.Hash([]byte("test-init-secret"))
 	if err != nil {
 		t.Fatal(err)
@@ -276,6 +278,7 @@ data "berth_node_config" "node" {
 // TestNodeConfigRole: a launch template per role carries the role in the user-data, where no metadata
 // service names it, and the control-plane nodes' carries the autoscaling groups their join services admit.
 func TestNodeConfigRole(t *testing.T) {
+	t.Parallel()
 	role := func(r string, bare bool) config.Variables {
 		return config.Variables{"role": config.StringVariable(r), "bare": config.BoolVariable(bare)}
 	}
@@ -346,6 +349,7 @@ func groupError(summary, key, detail string) string {
 // carries the managed instance groups their join services admit, each with its role. The refusal comes
 // first: the last step's configuration is the one the test destroys with.
 func TestNodeConfigInstanceGroups(t *testing.T) {
+	t.Parallel()
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{

@@ -23,7 +23,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-testing/plancheck"
 
 	"github.com/berthlabs/berth/internal/kubeadm"
-	"github.com/berthlabs/berth/internal/swtpm/swtpmtest"
+	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
 // cliProvider makes a configuration run the provider binary that devOverrides builds.
@@ -106,6 +106,7 @@ func lineOf(t *testing.T, mainTF, marker string) int {
 // shows a diagnostic inside a list of objects at the resource block; TestJoinPolicyDiagnosticPaths checks
 // the paths the provider gives.
 func TestJoinPolicyAllMistakesAtOnce(t *testing.T) {
+	t.Parallel()
 	mainTF := cliProvider + fmt.Sprintf(`
 resource "berth_join_policy" "this" {
   images = [
@@ -175,6 +176,7 @@ resource "berth_join_policy" "this" {
 // provider's kubeconfig is refused by plan, saying what to set, and that one whose kubeconfig is known only
 // at apply (a berth_cluster of the same run) plans.
 func TestJoinPolicyPlanNeedsKubeconfig(t *testing.T) {
+	t.Parallel()
 	policy := fmt.Sprintf(`
 resource "berth_join_policy" "this" {
   images = [%s]
@@ -211,6 +213,7 @@ provider "berth" {
 // TestKubeconfigErrors checks with the real terraform and the built provider what an unusable kubeconfig
 // says: what Berth needs, never client-go's advice to set KUBERNETES_MASTER, and never the kubeconfig.
 func TestKubeconfigErrors(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name, kubeconfig, want string
 	}{
@@ -248,6 +251,7 @@ resource "berth_join_policy" "this" {
 // kubernetes_version, the subnets and the endpoints, each naming the attribute and the value, and that one
 // plan shows them all.
 func TestClusterPlanChecksVersionAndSubnets(t *testing.T) {
+	t.Parallel()
 	ca := swtpmtest.NewCA(t)
 	vars := config.Variables{
 		"root_key": config.StringVariable(base64.StdEncoding.EncodeToString(make([]byte, 32))),
@@ -288,6 +292,7 @@ func TestClusterPlanChecksVersionAndSubnets(t *testing.T) {
 // the reason and what to do, rather than planning a replacement, and that a change of what mattered only at
 // init (pcrs, init_timeout) plans an update in place and keeps the cluster.
 func TestClusterRefusesInitSettingChange(t *testing.T) {
+	t.Parallel()
 	ca := swtpmtest.NewCA(t)
 	node := startTestNode(t, ca.NewTPM(t))
 	vars := config.Variables{
@@ -340,6 +345,7 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 // INFO, first at an address where nothing listens, then at a node that answers, and checks that the
 // provider's log shows each attempt and what it got.
 func TestInitWaitLogsEachAttempt(t *testing.T) {
+	t.Parallel()
 	ca := swtpmtest.NewCA(t)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -388,6 +394,7 @@ func TestInitWaitLogsEachAttempt(t *testing.T) {
 // TestImageManifestErrors checks with the real terraform what berth_image says of a manifest that is not
 // there (who writes it) and of one with a bad value (the value).
 func TestImageManifestErrors(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.json")
 	doc := `{"version": 1, "images": [{"name": "berth-1", "builder": "qemu", "artifact_id": "disk.raw", "pcrs": {"4": "4A4A"}}]}`
@@ -417,6 +424,7 @@ func TestImageManifestErrors(t *testing.T) {
 // kubeadm configuration and init server take: the default subnets, the endpoint rule and the
 // kubernetes_version pattern, which the provider repeats rather than import.
 func TestPlanChecksAgreeWithTheNode(t *testing.T) {
+	t.Parallel()
 	if defaultPodSubnet != kubeadm.DefaultPodSubnet || defaultServiceSubnet != kubeadm.DefaultServiceSubnet {
 		t.Errorf("the provider's default subnets %s, %s are not the node's %s, %s",
 			defaultPodSubnet, defaultServiceSubnet, kubeadm.DefaultPodSubnet, kubeadm.DefaultServiceSubnet)
@@ -439,6 +447,7 @@ func TestPlanChecksAgreeWithTheNode(t *testing.T) {
 // TestJoinPolicyDiagnosticPaths checks the attribute path of each of a policy's mistakes, which Terraform's
 // output shows only as the images attribute: every one on the field it is about, all in one pass.
 func TestJoinPolicyDiagnosticPaths(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	image := func(name string, roles []string, pcrs map[string]string, expires string) attr.Value {
 		roleValues := make([]attr.Value, len(roles))

@@ -93,6 +93,7 @@ func checkEphemeralSecrets(root []byte) resource.TestCheckFunc {
 }
 
 func TestSecretsEphemeralResource(t *testing.T) {
+	t.Parallel()
 	root := testRoot(5)
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providersWithEcho,
@@ -123,6 +124,7 @@ func TestSecretsEphemeralResource(t *testing.T) {
 }
 
 func TestSecretsEphemeralResourceRefusesGarbageCertificate(t *testing.T) {
+	t.Parallel()
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{{

@@ -120,6 +120,7 @@ func checkSecrets(root []byte, k *kept) resource.TestCheckFunc {
 }
 
 func TestSecretsResource(t *testing.T) {
+	t.Parallel()
 	var first, second, other kept
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
@@ -190,6 +191,7 @@ func TestSecretsResource(t *testing.T) {
 }
 
 func TestSecretsResourceRefusesBadInput(t *testing.T) {
+	t.Parallel()
 	withKey := func(text string) config.Variables {
 		return config.Variables{"root_key": config.StringVariable(text), "key_version": config.IntegerVariable(1)}
 	}

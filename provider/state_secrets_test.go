@@ -60,6 +60,7 @@ output "cluster_id" {
 // TestStateHoldsNoSecret runs the provider the way operators do, a built binary under the real terraform,
 // and searches everything Terraform keeps or prints for every secret the root key yields.
 func TestStateHoldsNoSecret(t *testing.T) {
+	t.Parallel()
 	root := make([]byte, 32)
 	if _, err := rand.Read(root); err != nil {
 		t.Fatal(err)
