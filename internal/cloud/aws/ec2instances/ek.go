@@ -10,14 +10,14 @@ import (
 	"math/big"
 	"regexp"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/ec2"
 	"github.com/aws/aws-sdk-go-v2/service/ec2/types"
-	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
+
+	"github.com/berthlabs/berth/internal/cloud/ttlcache"
 )
 
 // ekBits is the size of the EK GetInstanceTpmEkPub is asked for (KeyType rsa-2048).
@@ -33,16 +33,10 @@ var instanceIDPattern = regexp.MustCompile(`^i-[0-9a-f]{8}([0-9a-f]{9})?$`)
 type EKs struct {
 	api         API
 	log         *slog.Logger
-	clock       func() time.Time
-	ttl         time.Duration
-	size        int
 	callTimeout time.Duration
 	rateLimit   rate.Limit
 	rl          *rate.Limiter
-
-	flight singleflight.Group
-	mu     sync.Mutex
-	eks    map[string]ekEntry
+	cache       *ttlcache.Cache[*rsa.PublicKey]
 }
 
 // NewEKs asks api, with the defaults of Config.
@@ -54,13 +48,8 @@ func NewEKs(api API, log *slog.Logger) *EKs {
 }
 
 func newEKs(api API, log *slog.Logger, clock func() time.Time, ttl time.Duration, size int, callTimeout time.Duration, r rate.Limit, burst int) *EKs {
-	return &EKs{api: api, log: log, clock: clock, ttl: ttl, size: size, callTimeout: callTimeout,
-		rateLimit: r, rl: rate.NewLimiter(r, burst), eks: map[string]ekEntry{}}
-}
-
-type ekEntry struct {
-	key     *rsa.PublicKey
-	expires time.Time
+	return &EKs{api: api, log: log, callTimeout: callTimeout, rateLimit: r, rl: rate.NewLimiter(r, burst),
+		cache: ttlcache.New[*rsa.PublicKey](clock, ttl, size)}
 }
 
 // EKPublic returns the public endorsement key of the NitroTPM of instance instanceID, as EC2 reports it
@@ -70,35 +59,20 @@ func (l *EKs) EKPublic(ctx context.Context, instanceID string) (*rsa.PublicKey, 
 	if !instanceIDPattern.MatchString(instanceID) {
 		return nil, fmt.Errorf("EC2 EK of %q: not an EC2 instance id (i- and 8 or 17 lowercase hex digits)", bounded(instanceID))
 	}
-	if k := l.cachedEK(instanceID); k != nil {
-		return copyKey(k), nil
-	}
-	// The call runs apart from this caller's context: one caller giving up must not fail the others.
-	ch := l.flight.DoChan(instanceID, func() (any, error) {
-		// A call for this instance may have ended, storing its key, between the look into the cache above
-		// and this flight's start: that key serves without a second call.
-		if k := l.cachedEK(instanceID); k != nil {
-			return k, nil
-		}
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.callTimeout)
-		defer cancel()
-		k, err := l.fetchEK(cctx, instanceID)
+	k, stopped, err := l.cache.Get(ctx, instanceID, l.callTimeout, func(ctx context.Context) (*rsa.PublicKey, error) {
+		k, err := l.fetchEK(ctx, instanceID)
 		if err != nil {
 			l.log.Warn("EC2 EK request failed", "instance", instanceID, "error", err)
-			return nil, err
 		}
-		l.storeEK(instanceID, k)
-		return k, nil
+		return k, err
 	})
-	select {
-	case r := <-ch:
-		if r.Err != nil {
-			return nil, r.Err
-		}
-		return copyKey(r.Val.(*rsa.PublicKey)), nil
-	case <-ctx.Done():
-		return nil, fmt.Errorf("EC2 EK of %s: %w", instanceID, context.Cause(ctx))
+	switch {
+	case stopped:
+		return nil, fmt.Errorf("EC2 EK of %s: %w", instanceID, err)
+	case err != nil:
+		return nil, err
 	}
+	return copyKey(k), nil
 }
 
 func (l *EKs) fetchEK(ctx context.Context, id string) (*rsa.PublicKey, error) {
@@ -144,41 +118,6 @@ func (l *EKs) fetchEK(ctx context.Context, id string) (*rsa.PublicKey, error) {
 		return nil, fmt.Errorf("EC2 EK of %s: asked for an RSA-%d key, got %d bits", id, ekBits, n)
 	}
 	return rsaPub, nil
-}
-
-func (l *EKs) cachedEK(id string) *rsa.PublicKey {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	e, ok := l.eks[id]
-	if !ok {
-		return nil
-	}
-	if !l.clock().Before(e.expires) {
-		delete(l.eks, id)
-		return nil
-	}
-	return e.key
-}
-
-func (l *EKs) storeEK(id string, k *rsa.PublicKey) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	now := l.clock()
-	if len(l.eks) >= l.size {
-		for other, e := range l.eks {
-			if !now.Before(e.expires) {
-				delete(l.eks, other)
-			}
-		}
-	}
-	// Still full of live keys: drop any one. Losing it costs a call, keeping all would cost unbounded memory.
-	for other := range l.eks {
-		if len(l.eks) < l.size {
-			break
-		}
-		delete(l.eks, other)
-	}
-	l.eks[id] = ekEntry{key: k, expires: now.Add(l.ttl)}
 }
 
 // copyKey keeps callers from changing the cached key.

@@ -214,10 +214,7 @@ func TestEKCacheBounded(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	l.EKs.mu.Lock()
-	n := len(l.EKs.eks)
-	l.EKs.mu.Unlock()
-	if n > 3 {
+	if n := l.EKs.cache.Len(); n > 3 {
 		t.Errorf("EK cache holds %d entries, bound is 3", n)
 	}
 }

@@ -12,13 +12,12 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
-	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 	compute "google.golang.org/api/compute/v1"
 
+	"github.com/berthlabs/berth/internal/cloud/ttlcache"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -52,23 +51,16 @@ type ShieldedIdentity struct {
 type Identities struct {
 	svc         *compute.Service
 	log         *slog.Logger
-	clock       func() time.Time
-	ttl         time.Duration
-	size        int
 	callTimeout time.Duration
 	rateLimit   rate.Limit
 	rl          *rate.Limiter
-
-	flight singleflight.Group
-	mu     sync.Mutex
-	cache  map[string]identityEntry
+	cache       *ttlcache.Cache[identityEntry]
 }
 
 // identityEntry holds an identity as DER, so that every caller gets certificates of its own: callers
 // change them (attest's chain check drops the EK certificate's critical subjectAltName before verifying).
 type identityEntry struct {
 	ek, ekCert, ak, akCert []byte
-	expires                time.Time
 }
 
 // NewIdentities asks svc, with the defaults of Config.
@@ -81,8 +73,8 @@ func NewIdentities(svc *compute.Service, log *slog.Logger) *Identities {
 }
 
 func newIdentities(svc *compute.Service, log *slog.Logger, clock func() time.Time, ttl time.Duration, size int, callTimeout time.Duration, r rate.Limit, burst int) *Identities {
-	return &Identities{svc: svc, log: log, clock: clock, ttl: ttl, size: size, callTimeout: callTimeout,
-		rateLimit: r, rl: rate.NewLimiter(r, burst), cache: map[string]identityEntry{}}
+	return &Identities{svc: svc, log: log, callTimeout: callTimeout, rateLimit: r, rl: rate.NewLimiter(r, burst),
+		cache: ttlcache.New[identityEntry](clock, ttl, size)}
 }
 
 // EKPublic returns the public endorsement key of the vTPM of instance instanceID (as InstanceID makes it),
@@ -104,35 +96,21 @@ func (s *Identities) Identity(ctx context.Context, instanceID string) (*Shielded
 	if err != nil {
 		return nil, fmt.Errorf("Compute Engine vTPM identity: %w", err)
 	}
-	if e, ok := s.cached(instanceID); ok {
-		return e.identity(instanceID)
-	}
-	// The call runs apart from this caller's context: one caller giving up must not fail the others.
-	ch := s.flight.DoChan(instanceID, func() (any, error) {
-		// A call for this instance may have ended between the look into the cache above and this one.
-		if e, ok := s.cached(instanceID); ok {
-			return e, nil
-		}
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.callTimeout)
-		defer cancel()
-		e, err := s.fetch(cctx, project, zone, id)
+	e, stopped, err := s.cache.Get(ctx, instanceID, s.callTimeout, func(ctx context.Context) (identityEntry, error) {
+		e, err := s.fetch(ctx, project, zone, id)
 		if err != nil {
 			err = fmt.Errorf("Compute Engine vTPM identity of %s: %w", instanceID, err)
 			s.log.Warn("Compute Engine vTPM identity request failed", "instance", instanceID, "error", err)
-			return nil, err
 		}
-		s.store(instanceID, e)
-		return e, nil
+		return e, err
 	})
-	select {
-	case r := <-ch:
-		if r.Err != nil {
-			return nil, r.Err
-		}
-		return r.Val.(identityEntry).identity(instanceID)
-	case <-ctx.Done():
-		return nil, fmt.Errorf("Compute Engine vTPM identity of %s: %w", instanceID, context.Cause(ctx))
+	switch {
+	case stopped:
+		return nil, fmt.Errorf("Compute Engine vTPM identity of %s: %w", instanceID, err)
+	case err != nil:
+		return nil, err
 	}
+	return e.identity(instanceID)
 }
 
 func (s *Identities) fetch(ctx context.Context, project, zone string, id uint64) (identityEntry, error) {
@@ -273,41 +251,4 @@ func keyKind(pub crypto.PublicKey) string {
 		return "RSA"
 	}
 	return fmt.Sprintf("a %T", pub)
-}
-
-func (s *Identities) cached(id string) (identityEntry, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, ok := s.cache[id]
-	if !ok {
-		return identityEntry{}, false
-	}
-	if !s.clock().Before(e.expires) {
-		delete(s.cache, id)
-		return identityEntry{}, false
-	}
-	return e, true
-}
-
-func (s *Identities) store(id string, e identityEntry) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.clock()
-	if len(s.cache) >= s.size {
-		for other, old := range s.cache {
-			if !now.Before(old.expires) {
-				delete(s.cache, other)
-			}
-		}
-	}
-	// Still full of live entries: drop any one. Losing it costs a call, keeping all would cost unbounded
-	// memory.
-	for other := range s.cache {
-		if len(s.cache) < s.size {
-			break
-		}
-		delete(s.cache, other)
-	}
-	e.expires = now.Add(s.ttl)
-	s.cache[id] = e
 }
