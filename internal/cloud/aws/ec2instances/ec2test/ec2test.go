@@ -15,7 +15,6 @@ import (
 	"encoding/hex"
 	"encoding/xml"
 	"fmt"
-	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -28,6 +27,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/berthlabs/berth/test/apifault"
 	"github.com/berthlabs/berth/test/tlstest"
 )
 
@@ -84,6 +84,10 @@ type Server struct {
 	// CACertPEM is the CA of the endpoint's certificate, with Options.TLS; nil for plain http.
 	CACertPEM []byte
 
+	// Knobs throttle a share of requests (RequestLimitExceeded), deny actions (UnauthorizedOperation) and
+	// hold requests.
+	apifault.Knobs
+
 	srv *httptest.Server
 
 	mu        sync.Mutex
@@ -91,12 +95,8 @@ type Server struct {
 	calls     map[string]int
 	requests  map[string][]url.Values
 	throttle  int
-	fraction  float64
 	throttled int
-	deny      map[string]bool
 	tokens    map[string]pageToken
-	hold      chan struct{}
-	arrived   chan string
 	keyIDs    map[string]bool
 }
 
@@ -141,7 +141,6 @@ func Start(o Options) (*Server, error) {
 		instances: map[string]Instance{},
 		calls:     map[string]int{},
 		requests:  map[string][]url.Values{},
-		deny:      map[string]bool{},
 		tokens:    map[string]pageToken{},
 		keyIDs:    map[string]bool{},
 	}
@@ -246,43 +245,6 @@ func (s *Server) ThrottleNext(n int) {
 	s.throttle = n
 }
 
-// ThrottleFraction answers about that fraction of requests with RequestLimitExceeded, at random.
-func (s *Server) ThrottleFraction(f float64) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.fraction = f
-}
-
-// Deny answers every request of action with UnauthorizedOperation, as EC2 does when the caller's IAM
-// policy does not allow ec2:<action>.
-func (s *Server) Deny(action string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.deny[action] = true
-}
-
-// Hold makes every request wait until Release. Each request sends its action on the returned channel
-// once it has been counted, before it waits.
-func (s *Server) Hold() <-chan string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.hold == nil {
-		s.hold = make(chan struct{})
-		s.arrived = make(chan string, 1024)
-	}
-	return s.arrived
-}
-
-// Release lets held requests go on; later ones are no longer held.
-func (s *Server) Release() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.hold != nil {
-		close(s.hold)
-		s.hold = nil
-	}
-}
-
 // apiError is an error in EC2's shape.
 type apiError struct {
 	status  int
@@ -324,29 +286,20 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
+	throttle, denied, wait := s.Arrived(action)
 	s.mu.Lock()
 	s.keyIDs[m[1]] = true
 	s.calls[action]++
 	s.requests[action] = append(s.requests[action], cloneValues(form))
-	hold, arrived := s.hold, s.arrived
-	var throttle bool
-	switch {
-	case s.throttle > 0:
+	if s.throttle > 0 {
 		s.throttle--
-		throttle = true
-	case s.fraction > 0 && mrand.Float64() < s.fraction:
 		throttle = true
 	}
 	if throttle {
 		s.throttled++
 	}
-	denied := s.deny[action]
 	s.mu.Unlock()
-
-	if hold != nil {
-		arrived <- action
-		<-hold
-	}
+	wait()
 	switch {
 	case throttle:
 		writeError(w, requestID, &apiError{http.StatusServiceUnavailable, "RequestLimitExceeded", "Request limit exceeded."})

@@ -35,6 +35,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/berthlabs/berth/test/apifault"
 	"github.com/berthlabs/berth/test/tlstest"
 )
 
@@ -153,6 +154,10 @@ type Server struct {
 	// CACertPEM is the CA of the endpoint's certificate, with Options.TLS; nil for plain http.
 	CACertPEM []byte
 
+	// Knobs throttle a share of requests (403 rateLimitExceeded or 429, at random), deny methods (403
+	// forbidden, as for a missing IAM permission) and hold requests.
+	apifault.Knobs
+
 	token string
 	srv   *httptest.Server
 
@@ -167,12 +172,8 @@ type Server struct {
 	faultNext   int
 	faultKind   Fault
 	every       int
-	fraction    float64
 	faults      int
-	deny        map[string]bool
 	tokens      map[string]pageToken
-	hold        chan struct{}
-	arrived     chan string
 }
 
 type pageToken struct {
@@ -212,7 +213,6 @@ func Start(o Options) (*Server, error) {
 		nextID:      4_700_000_000_000_000_000,
 		calls:       map[string]int{},
 		requests:    map[string][]url.Values{},
-		deny:        map[string]bool{},
 		tokens:      map[string]pageToken{},
 	}
 	s.srv = httptest.NewUnstartedServer(http.HandlerFunc(s.serve))
@@ -441,44 +441,6 @@ func (s *Server) ThrottleEvery(n int) {
 	s.every = n
 }
 
-// ThrottleFraction answers about that fraction of requests as throttled, 403 rateLimitExceeded or 429 at
-// random; 0 stops it.
-func (s *Server) ThrottleFraction(f float64) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.fraction = f
-}
-
-// Deny answers every request of method 403 forbidden, as Compute Engine does when the caller lacks the
-// method's IAM permission.
-func (s *Server) Deny(method string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.deny[method] = true
-}
-
-// Hold makes every request wait until Release. Each request sends its method on the returned channel once
-// it has been counted, before it waits.
-func (s *Server) Hold() <-chan string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.hold == nil {
-		s.hold = make(chan struct{})
-		s.arrived = make(chan string, 1024)
-	}
-	return s.arrived
-}
-
-// Release lets held requests go on; later ones are no longer held.
-func (s *Server) Release() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.hold != nil {
-		close(s.hold)
-		s.hold = nil
-	}
-}
-
 // apiError is an error in Google's shape.
 type apiError struct {
 	code    int
@@ -584,11 +546,11 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	query := r.URL.Query()
 
+	throttled, denied, wait := s.Arrived(rt.method)
 	s.mu.Lock()
 	s.total++
 	s.calls[rt.method]++
 	s.requests[rt.method] = append(s.requests[rt.method], cloneValues(query))
-	hold, arrived := s.hold, s.arrived
 	var fault Fault
 	switch {
 	case s.faultNext > 0:
@@ -599,7 +561,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		if (s.total/s.every)%2 == 0 {
 			fault = TooManyRequests
 		}
-	case s.fraction > 0 && mrand.Float64() < s.fraction:
+	case throttled:
 		fault = RateLimited
 		if mrand.IntN(2) == 0 {
 			fault = TooManyRequests
@@ -608,13 +570,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	if fault != 0 {
 		s.faults++
 	}
-	denied := s.deny[rt.method]
 	s.mu.Unlock()
-
-	if hold != nil {
-		arrived <- rt.method
-		<-hold
-	}
+	wait()
 	switch {
 	case fault != 0:
 		s.faultError(fault).write(w)
