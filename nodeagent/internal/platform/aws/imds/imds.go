@@ -23,7 +23,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -34,6 +33,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/metadatahttp"
 )
 
 // DefaultEndpoint is EC2's IMDS on its IPv4 link-local address.
@@ -309,40 +309,20 @@ func (c *Client) do(ctx context.Context, method, path, header, value string, lim
 	}
 	u := base.JoinPath("latest", path)
 
-	timeout := cmp.Or(c.Timeout, defaultTimeout)
-	rctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(rctx, method, u.String(), nil)
+	req, err := http.NewRequestWithContext(ctx, method, u.String(), nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("building the IMDS request: %w", err)
 	}
 	req.Header.Set(header, value)
-	resp, err := cmp.Or(c.HTTPClient, defaultHTTPClient).Do(req)
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, nil, err
-		}
-		var ne net.Error
-		if rctx.Err() == nil && !(errors.As(err, &ne) && ne.Timeout()) {
-			return nil, nil, fmt.Errorf("%w: no answer from %s: %w", ErrUnreachable, endpoint, err)
-		}
-		if method == http.MethodPut {
-			// EC2 drops the token's answer after HttpPutResponseHopLimit hops: from a container, the PUT
-			// then times out while everything else about IMDS is fine.
-			return nil, nil, fmt.Errorf("%w: no answer from %s to PUT /latest/%s within %s (from a container, the PUT response hop limit HttpPutResponseHopLimit may be too low: the answer never arrives): %w",
-				ErrUnreachable, endpoint, path, timeout, err)
-		}
-		return nil, nil, fmt.Errorf("%w: no answer from %s within %s: %w", ErrUnreachable, endpoint, timeout, err)
+	server, hint := endpoint, ""
+	if method == http.MethodPut {
+		// EC2 drops the token's answer after HttpPutResponseHopLimit hops: from a container, the PUT then
+		// times out while everything else about IMDS is fine.
+		server += " to PUT /latest/" + path
+		hint = " (from a container, the PUT response hop limit HttpPutResponseHopLimit may be too low: the answer never arrives)"
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, nil, err
-		}
-		return nil, nil, fmt.Errorf("%w: reading the answer from %s: %w", ErrUnreachable, endpoint, err)
-	}
-	return resp, body, nil
+	hc := metadatahttp.Client{HTTP: cmp.Or(c.HTTPClient, defaultHTTPClient), Timeout: cmp.Or(c.Timeout, defaultTimeout), Unreachable: ErrUnreachable}
+	return hc.Do(req, server, limit, hint)
 }
 
 // status is the answer's status without the server's reason phrase, which could carry anything.

@@ -31,8 +31,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -46,6 +44,7 @@ import (
 	"golang.org/x/oauth2"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/platform/metadatahttp"
 )
 
 // DefaultEndpoint is GCE's metadata server on its link-local address; it also answers as
@@ -454,34 +453,13 @@ func (c *Client) endpoint() (*url.URL, error) {
 // too long). A request that gets no answer is ErrUnreachable, unless ctx itself ended first: then it is
 // ctx's error.
 func (c *Client) do(ctx context.Context, base *url.URL, path string, limit int64) (*http.Response, []byte, error) {
-	timeout := cmp.Or(c.Timeout, defaultTimeout)
-	rctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(rctx, http.MethodGet, base.JoinPath("computeMetadata", "v1", path).String(), nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base.JoinPath("computeMetadata", "v1", path).String(), nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("building the request to the GCE metadata server: %w", err)
 	}
 	req.Header.Set(flavorHeader, flavor)
-	resp, err := c.httpClient().Do(req)
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, nil, err
-		}
-		var ne net.Error
-		if rctx.Err() == nil && !(errors.As(err, &ne) && ne.Timeout()) {
-			return nil, nil, fmt.Errorf("%w: no answer from %s: %w", ErrUnreachable, base, err)
-		}
-		return nil, nil, fmt.Errorf("%w: no answer from %s within %s: %w", ErrUnreachable, base, timeout, err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, nil, err
-		}
-		return nil, nil, fmt.Errorf("%w: reading the answer from %s: %w", ErrUnreachable, base, err)
-	}
-	return resp, body, nil
+	hc := metadatahttp.Client{HTTP: c.httpClient(), Timeout: cmp.Or(c.Timeout, defaultTimeout), Unreachable: ErrUnreachable}
+	return hc.Do(req, base.String(), limit, "")
 }
 
 // httpClient is HTTPClient (or the default) made to follow no redirect, whoever built it: GCE sends
