@@ -48,6 +48,12 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
+	// The platform first: one that cannot tell who a node is (bare metal) says so, rather than the missing
+	// secrets of a node that was never a control plane.
+	records, err := a.platform.Records(ctx, self, platform.Env{Calls: apiCalls(tel.metrics), Logger: log})
+	if err != nil {
+		return fmt.Errorf("join service: %w", err)
+	}
 	secrets, err := nodestate.ReadSecrets(a.cfg.Paths.State)
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
@@ -60,10 +66,6 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	joinCA, err := pki.ParseCA(secrets.JoinCACert, secrets.JoinCAKey)
 	if err != nil {
 		return fmt.Errorf("join service: join CA: %w", err)
-	}
-	records, err := a.platform.Records(ctx, self, platform.Env{Calls: apiCalls(tel.metrics), Logger: log})
-	if err != nil {
-		return fmt.Errorf("join service: %w", err)
 	}
 	kubeconfig, server := a.cfg.Kubeconfig, ""
 	if kubeconfig == "" {

@@ -1,10 +1,15 @@
 package agent
 
 import (
+	"context"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
 func TestLocalAPIServer(t *testing.T) {
@@ -43,5 +48,29 @@ current-context: x
 	}
 	if _, err := localAPIServer(kubeconfig, self); err == nil {
 		t.Error("localAPIServer of a kubeconfig without a context succeeded")
+	}
+}
+
+// TestBareMetalServesNoJoins: a node without a metadata service, asked to serve joins, says that it cannot
+// tell who a node is, not that it lacks the cluster's secrets (which it never had).
+func TestBareMetalServesNoJoins(t *testing.T) {
+	dir := t.TempDir()
+	userData := filepath.Join(dir, "user-data.json")
+	pin := "sha256:" + strings.Repeat("0123456789abcdef", 4)
+	doc := `{"clusterName": "metal", "joinEndpoints": ["10.0.0.5:7450"], "joinPort": 7450, "joinCAPin": "` + pin + `"}`
+	if err := os.WriteFile(userData, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := &Config{UserDataFile: userData, StateDisk: filepath.Join(dir, "state.img"), SourceAddress: "127.0.0.7",
+		Paths: nodestate.Paths{State: filepath.Join(dir, "state"), KubernetesDir: filepath.Join(dir, "k8s"), KubeletDir: filepath.Join(dir, "kubelet")}}
+	cfg.Defaults()
+	a, err := New(cfg, Deps{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := a.ServeJoinService(ctx); err == nil || !strings.Contains(err.Error(), "serves no joins") {
+		t.Fatalf("ServeJoinService on bare metal: %v, want it refused for want of a metadata service", err)
 	}
 }
