@@ -112,9 +112,8 @@ type Agent struct {
 	cfg  *Config
 	deps Deps
 	log  *slog.Logger
-	// platform is the environment the node runs in; node is its view of itself there.
+	// platform is the environment the node runs in.
 	platform platform.Platform
-	node     platform.Node
 	disk     *statedisk.Disk
 	vol      *luks.Volume
 	// mounted is set once the state volume is mounted in this boot.
@@ -137,8 +136,7 @@ func New(cfg *Config, deps Deps) (*Agent, error) {
 		}
 	}
 	vol := luks.New(cfg.StateDisk, log)
-	p := cfg.Platform()
-	return &Agent{cfg: cfg, deps: deps, log: log, platform: p, node: p.Node(), vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}, nil
+	return &Agent{cfg: cfg, deps: deps, log: log, platform: cfg.Platform(), vol: vol, disk: statedisk.New(vol, log, diskOptions()...)}, nil
 }
 
 // diskOptions are the state disk's options; a failpoint build can crash after each of its steps, at the
@@ -301,7 +299,7 @@ func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Inf
 func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger) *joinclient.Client {
 	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
 	return joinclient.New(joinclient.Config{
-		Metadata: a.node, Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
+		Metadata: a.platform.Node(), Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
 		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
 		Kubelet:     kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
 		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
@@ -310,5 +308,5 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 }
 
 func (a *Agent) self(ctx context.Context) (*metadata.Self, error) {
-	return metadata.WaitSelf(ctx, a.node, backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
+	return metadata.WaitSelf(ctx, a.platform.Node(), backoff.Policy{Max: a.cfg.RetryMax.Duration}, backoff.Sleep, nil, a.log)
 }

@@ -43,7 +43,7 @@ const (
 // Status inspects the node without changing anything; it never fails, it reports.
 func (a *Agent) Status(ctx context.Context) *Status {
 	s := &Status{}
-	if self, err := a.node.Self(ctx); err != nil {
+	if self, err := a.platform.Node().Self(ctx); err != nil {
 		s.NodeError = err.Error()
 	} else {
 		s.Node = &self.Instance

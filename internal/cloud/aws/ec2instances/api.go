@@ -61,7 +61,7 @@ func (j fullJitter) BackoffDelay(attempt int, _ error) (time.Duration, error) {
 }
 
 // NewAPI returns an EC2 client for region with the SDK's default credential chain (on EC2, the instance
-// profile's role, through IMDS), the retryer above and its HTTP client behind GuardRequestBodies. endpoint,
+// profile's role, through IMDS), the retryer above and its HTTP client behind GuardBodies. endpoint,
 // if set, replaces AWS's endpoint (a VPC endpoint's DNS name, or a test endpoint); it must be https, or http
 // on a loopback address. The SDK's own warnings go to log (nil discards them), as structured lines like
 // every other.

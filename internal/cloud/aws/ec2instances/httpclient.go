@@ -9,17 +9,17 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/ec2"
 )
 
-// GuardBodies is an option of ec2.New and ec2.NewFromConfig that puts the client's HTTP client behind
-// GuardRequestBodies. As an option it applies after the SDK's configuration has built the HTTP client (with
+// GuardBodies is an option of ec2.New and ec2.NewFromConfig that puts the client's HTTP client behind a
+// guardedClient. As an option it applies after the SDK's configuration has built the HTTP client (with
 // a custom CA bundle from AWS_CA_BUNDLE, say, which the SDK adds only to a client of its own type).
 func GuardBodies(o *ec2.Options) {
 	if o.HTTPClient == nil {
 		o.HTTPClient = awshttp.NewBuildableClient()
 	}
-	o.HTTPClient = GuardRequestBodies(o.HTTPClient)
+	o.HTTPClient = guardedClient{o.HTTPClient}
 }
 
-// GuardRequestBodies keeps the SDK from closing a connection under the response it is reading, which makes
+// guardedClient keeps the SDK from closing a connection under the response it is reading, which makes
 // it send the same request again: one API call more, each time.
 //
 // How: smithy-go closes a request's body as soon as the response's headers are in, while net/http's
@@ -30,10 +30,6 @@ func GuardBodies(o *ec2.Options) {
 // connection", and the SDK retries a request EC2 has already answered. On loopback this happened to one
 // DescribeInstances page in about fifty under the race detector (TestPagination). Hiding WriteTo leaves
 // Read, which ends cleanly after the close.
-func GuardRequestBodies(c aws.HTTPClient) aws.HTTPClient {
-	return guardedClient{c}
-}
-
 type guardedClient struct{ aws.HTTPClient }
 
 func (c guardedClient) Do(r *http.Request) (*http.Response, error) {

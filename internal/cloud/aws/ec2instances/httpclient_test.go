@@ -43,10 +43,10 @@ func (f doFunc) Do(r *http.Request) (*http.Response, error) { return f(r) }
 // needs to keep the connection, where the unguarded body fails it.
 func TestGuardedBodyEndsCleanlyAfterClose(t *testing.T) {
 	var sent io.ReadCloser
-	client := GuardRequestBodies(doFunc(func(r *http.Request) (*http.Response, error) {
+	client := guardedClient{doFunc(func(r *http.Request) (*http.Response, error) {
 		sent = r.Body
 		return &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}, nil
-	}))
+	})}
 	body := &eofAfterClose{r: bytes.NewReader([]byte("Action=DescribeInstances"))}
 	req, err := http.NewRequest(http.MethodPost, "http://127.0.0.1/", strings.NewReader(""))
 	if err != nil {
@@ -69,12 +69,12 @@ func TestGuardedBodyEndsCleanlyAfterClose(t *testing.T) {
 }
 
 func TestGuardLeavesEmptyBodies(t *testing.T) {
-	client := GuardRequestBodies(doFunc(func(r *http.Request) (*http.Response, error) {
+	client := guardedClient{doFunc(func(r *http.Request) (*http.Response, error) {
 		if r.Body != http.NoBody {
 			t.Errorf("body %T, want http.NoBody", r.Body)
 		}
 		return &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}, nil
-	}))
+	})}
 	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1/", http.NoBody)
 	if err != nil {
 		t.Fatal(err)

@@ -511,7 +511,7 @@ func TestNewAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, ok := api.Options().HTTPClient.(guardedClient); !ok {
-		t.Errorf("HTTP client %T is not behind GuardRequestBodies", api.Options().HTTPClient)
+		t.Errorf("HTTP client %T is not behind GuardBodies", api.Options().HTTPClient)
 	}
 	if got := api.Options().Retryer.MaxAttempts(); got != maxAttempts {
 		t.Errorf("retryer allows %d attempts, want %d", got, maxAttempts)
