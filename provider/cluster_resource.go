@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"regexp"
@@ -24,7 +25,6 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/types"
-	"github.com/hashicorp/terraform-plugin-framework/types/basetypes"
 	"github.com/hashicorp/terraform-plugin-log/tflog"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -36,14 +36,13 @@ import (
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/backoff"
-	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
-	"github.com/berthlabs/berth/internal/cloud/gcp/shieldedvm"
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/provider/internal/platform"
 )
 
 const (
@@ -74,12 +73,7 @@ type clusterModel struct {
 	PodSubnet            types.String `tfsdk:"pod_subnet"`
 	ServiceSubnet        types.String `tfsdk:"service_subnet"`
 	PCRs                 types.Map    `tfsdk:"pcrs"`
-	EKCACertificates     types.String `tfsdk:"ek_ca_certificates"`
-	// AWS (clusterAWSModel) and GCP (clusterGCPModel) are objects rather than pointers to their models: a
-	// pointer takes null but not unknown, and at plan time a whole block can be unknown (computed from
-	// another resource, or a conditional on one), which a pointer would refuse with a conversion error.
-	AWS                     types.Object `tfsdk:"aws"`
-	GCP                     types.Object `tfsdk:"gcp"`
+	platform.Trust
 	KubernetesCACertificate types.String `tfsdk:"kubernetes_ca_certificate"`
 	JoinCACertificate       types.String `tfsdk:"join_ca_certificate"`
 	InitSecretWO            types.String `tfsdk:"init_secret_wo"`
@@ -94,22 +88,6 @@ type clusterModel struct {
 	Kubeconfig              types.String `tfsdk:"kubeconfig"`
 	ClientCertificate       types.String `tfsdk:"client_certificate"`
 	ClientKey               types.String `tfsdk:"client_key"`
-}
-
-// clusterAWSModel names the first control-plane node's EC2 instance, whose NitroTPM EC2 vouches for.
-type clusterAWSModel struct {
-	InstanceID types.String `tfsdk:"instance_id"`
-	Region     types.String `tfsdk:"region"`
-	Endpoint   types.String `tfsdk:"endpoint"`
-}
-
-// clusterGCPModel names the first control-plane node's Compute Engine instance, which Google's certificate
-// of its vTPM's EK names.
-type clusterGCPModel struct {
-	Project          types.String `tfsdk:"project"`
-	Zone             types.String `tfsdk:"zone"`
-	Instance         types.String `tfsdk:"instance"`
-	EKCACertificates types.String `tfsdk:"ek_ca_certificates"`
 }
 
 func (r *clusterResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
@@ -191,67 +169,6 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 					"in lowercase hex, as `data.berth_image` gives them. Checked only at init; later nodes are " +
 					"checked by the join policy (`berth_join_policy`).",
 			},
-			"ek_ca_certificates": schema.StringAttribute{
-				Optional: true,
-				MarkdownDescription: "PEM certificates of the CAs that issue the endorsement key certificates of the " +
-					"nodes' TPMs (the TPM vendor's or the cloud's vTPM CA; root and intermediate certificates). " +
-					"Exactly one of `ek_ca_certificates`, `aws` and `gcp` is set.",
-			},
-			"aws": schema.SingleNestedAttribute{
-				Optional: true,
-				MarkdownDescription: "The node is an EC2 instance with a NitroTPM, which has no endorsement key " +
-					"certificate: its endorsement key must be the one EC2 reports for `instance_id` " +
-					"(`ec2:GetInstanceTpmEkPub`, called with the provider's AWS credentials from the usual chain: " +
-					"environment, shared config, SSO, instance profile). This binds the TPM to that instance, so " +
-					"the secrets go to no other machine, even one that took over the instance's address.",
-				Attributes: map[string]schema.Attribute{
-					"instance_id": schema.StringAttribute{
-						Required:            true,
-						MarkdownDescription: "The EC2 instance id of the first control-plane node (`i-...`).",
-					},
-					"region": schema.StringAttribute{
-						Required:            true,
-						MarkdownDescription: "The instance's region.",
-					},
-					"endpoint": schema.StringAttribute{
-						Optional: true,
-						MarkdownDescription: "An EC2 endpoint instead of AWS's own for the region, such as a VPC " +
-							"endpoint's URL; `https://`, or `http://` on a loopback address (emulators).",
-					},
-				},
-			},
-			"gcp": schema.SingleNestedAttribute{
-				Optional: true,
-				MarkdownDescription: "The node is a Google Compute Engine Shielded VM. Google certifies the " +
-					"endorsement key of every Shielded VM's vTPM, and names the instance (project, zone, id and " +
-					"name) in an extension of that certificate. The certificate must chain to Google's vTPM EK CAs " +
-					"(built into the provider) and name the instance given here. This binds the TPM to that " +
-					"instance, so the secrets go to no other machine, even one that took over the instance's " +
-					"address. The provider calls no Google API for it and needs no Google credentials. A vTPM " +
-					"whose certificate names no instance (older vTPMs) is refused: without the Compute API, which " +
-					"the provider does not ask, nothing binds its key to the instance.",
-				Attributes: map[string]schema.Attribute{
-					"project": schema.StringAttribute{
-						Required:            true,
-						MarkdownDescription: "The instance's project id (such as `berth-prod`; not the project number).",
-					},
-					"zone": schema.StringAttribute{
-						Required:            true,
-						MarkdownDescription: "The instance's zone, such as `europe-west1-b`.",
-					},
-					"instance": schema.StringAttribute{
-						Required: true,
-						MarkdownDescription: "The instance's name or its numeric id " +
-							"(`google_compute_instance.<name>.name` or `.instance_id`).",
-					},
-					"ek_ca_certificates": schema.StringAttribute{
-						Optional: true,
-						MarkdownDescription: "PEM certificates of CAs (roots and intermediates) that replace Google's " +
-							"vTPM EK CAs, for private clouds and labs whose vTPMs carry certificates of Google's " +
-							"shape from a CA of their own. Unset: Google's.",
-					},
-				},
-			},
 			"kubernetes_ca_certificate": schema.StringAttribute{
 				Required: true,
 				MarkdownDescription: "`berth_secrets.<name>.kubernetes_ca_certificate`: the cluster's CA, which the " +
@@ -293,6 +210,7 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				MarkdownDescription: "PEM private key of `client_certificate`. Sensitive."},
 		},
 	}
+	maps.Copy(resp.Schema.Attributes, platform.TrustAttributes())
 }
 
 func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.ValidateConfigRequest, resp *resource.ValidateConfigResponse) {
@@ -331,17 +249,7 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 	} else if known(m.PCRs) {
 		pcrValues(ctx, m.PCRs, path.Root("pcrs"), "", &resp.Diagnostics)
 	}
-	if known(m.EKCACertificates) {
-		if _, _, err := attest.ParseCABundle([]byte(m.EKCACertificates.ValueString())); err != nil {
-			resp.Diagnostics.AddAttributeError(path.Root("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
-		}
-	}
-	checkOneTrust(&m, &resp.Diagnostics)
-	if known(m.GCP) {
-		var g clusterGCPModel
-		resp.Diagnostics.Append(m.GCP.As(ctx, &g, basetypes.ObjectAsOptions{})...)
-		checkGCP(g, &resp.Diagnostics)
-	}
+	m.Trust.Validate(ctx, &resp.Diagnostics)
 	if known(m.InitTimeout) {
 		if d, err := time.ParseDuration(m.InitTimeout.ValueString()); err != nil || d <= 0 {
 			resp.Diagnostics.AddAttributeError(path.Root("init_timeout"), "Invalid timeout",
@@ -569,133 +477,6 @@ func parseSubnet(value, name string) ([]netip.Prefix, string) {
 	return prefixes, ""
 }
 
-// checkOneTrust refuses a configuration that does not set exactly one way to trust the node's TPM. While
-// some of them are unknown (at plan time) it refuses only what no value can make right; Create checks again
-// with every value known.
-func checkOneTrust(m *clusterModel, diags *diag.Diagnostics) {
-	var set []string
-	unknown := false
-	for _, t := range []struct {
-		name string
-		v    attr.Value
-	}{{"ek_ca_certificates", m.EKCACertificates}, {"aws", m.AWS}, {"gcp", m.GCP}} {
-		switch {
-		case t.v.IsUnknown():
-			unknown = true
-		case !t.v.IsNull():
-			set = append(set, t.name)
-		}
-	}
-	switch {
-	case len(set) == 0 && !unknown:
-		diags.AddAttributeError(path.Root("ek_ca_certificates"), "No trust for the node's TPM",
-			"Set ek_ca_certificates (TPMs with endorsement key certificates), aws (EC2 instances with a NitroTPM) "+
-				"or gcp (Compute Engine Shielded VMs): without one of them no node can be attested.")
-	case len(set) > 1:
-		last := len(set) - 1
-		diags.AddAttributeError(path.Root(set[last]), "More than one trust for the node's TPM",
-			fmt.Sprintf("%s and %s are set; set only one of ek_ca_certificates, aws and gcp: the node's TPM is "+
-				"trusted one way, by its certificate chain, by what EC2 reports for its instance, or by Google's "+
-				"certificate naming its instance.", strings.Join(set[:last], ", "), set[last]))
-	}
-}
-
-// gcpProbe is an instance path that shieldedvm.ParseInstance accepts, whose parts checkGCP replaces one at
-// a time.
-var gcpProbe = shieldedvm.Instance{Project: "berth-example", Zone: "europe-west1-b", Instance: "node-0"}
-
-// checkGCP checks the known values of gcp. Each part of the instance's path is checked by
-// shieldedvm.ParseInstance, the trust's own parser, with the other parts valid placeholders: the error then
-// lands on the attribute that is wrong, even while the others are still unknown.
-func checkGCP(g clusterGCPModel, diags *diag.Diagnostics) {
-	var probe shieldedvm.Instance
-	for _, p := range []struct {
-		attr string
-		v    types.String
-		part *string
-		want string
-	}{
-		{"project", g.Project, &probe.Project, "a project id: 6 to 30 lowercase letters, digits and hyphens, " +
-			`starting with a letter ("example.com:" before it for a domain-scoped project), not a project number`},
-		{"zone", g.Zone, &probe.Zone, `a zone such as "europe-west1-b" (a region's name and a letter)`},
-		{"instance", g.Instance, &probe.Instance, "an instance name (a lowercase letter, then up to 62 lowercase " +
-			"letters, digits and hyphens, not ending in a hyphen) or a numeric instance id"},
-	} {
-		if !known(p.v) {
-			continue
-		}
-		probe = gcpProbe
-		*p.part = p.v.ValueString()
-		if _, err := shieldedvm.ParseInstance(probe.String()); err != nil {
-			diags.AddAttributeError(path.Root("gcp").AtName(p.attr), "Invalid Compute Engine instance",
-				fmt.Sprintf("gcp.%s is %q, which is not %s.", p.attr, p.v.ValueString(), p.want))
-		}
-	}
-	if known(g.EKCACertificates) {
-		if _, _, err := attest.ParseCABundle([]byte(g.EKCACertificates.ValueString())); err != nil {
-			diags.AddAttributeError(path.Root("gcp").AtName("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
-		}
-	}
-}
-
-// ekTrust is how the node's TPM is trusted, with the instance id the trust is asked about: by
-// ek_ca_certificates; by the EK that EC2 reports for the instance in aws; or by Google's EK certificate that
-// names the instance in gcp. m's values are all known (Create's plan).
-func ekTrust(ctx context.Context, m *clusterModel) (attest.EKTrust, string, diag.Diagnostics) {
-	var diags diag.Diagnostics
-	if checkOneTrust(m, &diags); diags.HasError() {
-		return nil, "", diags
-	}
-	switch {
-	case !m.AWS.IsNull():
-		var a clusterAWSModel
-		if diags.Append(m.AWS.As(ctx, &a, basetypes.ObjectAsOptions{})...); diags.HasError() {
-			return nil, "", diags
-		}
-		api, err := ec2instances.NewAPI(ctx, a.Region.ValueString(), a.Endpoint.ValueString(), nil)
-		if err != nil {
-			diags.AddAttributeError(path.Root("aws"), "Cannot reach EC2", err.Error())
-			return nil, "", diags
-		}
-		return attest.CloudEK{Cloud: "EC2", Source: ec2instances.NewEKs(api, nil)}, a.InstanceID.ValueString(), diags
-	case !m.GCP.IsNull():
-		return gcpTrust(ctx, m.GCP)
-	}
-	roots, inters, err := attest.ParseCABundle([]byte(m.EKCACertificates.ValueString()))
-	if err != nil {
-		diags.AddAttributeError(path.Root("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
-		return nil, "", diags
-	}
-	return attest.NewCertChain(roots, inters, nil), "", diags
-}
-
-// gcpTrust trusts a vTPM whose EK certificate chains to Google's CAs (or gcp's own) and names gcp's
-// instance. Without a Compute API to ask (a nil identity source), shieldedvm.Trust requires that name: that
-// is what lets the provider do without Google credentials.
-func gcpTrust(ctx context.Context, obj types.Object) (attest.EKTrust, string, diag.Diagnostics) {
-	var g clusterGCPModel
-	diags := obj.As(ctx, &g, basetypes.ObjectAsOptions{})
-	if diags.HasError() {
-		return nil, "", diags
-	}
-	if checkGCP(g, &diags); diags.HasError() {
-		return nil, "", diags
-	}
-	var roots, inters *x509.CertPool
-	var err error
-	if g.EKCACertificates.IsNull() {
-		if roots, inters, err = shieldedvm.GoogleCAs(); err != nil {
-			diags.AddError("Google's vTPM CAs do not load", err.Error())
-			return nil, "", diags
-		}
-	} else if roots, inters, err = attest.ParseCABundle([]byte(g.EKCACertificates.ValueString())); err != nil {
-		diags.AddAttributeError(path.Root("gcp").AtName("ek_ca_certificates"), "Invalid EK CA certificates", err.Error())
-		return nil, "", diags
-	}
-	inst := shieldedvm.Instance{Project: g.Project.ValueString(), Zone: g.Zone.ValueString(), Instance: g.Instance.ValueString()}
-	return shieldedvm.NewTrust(roots, inters, nil, nil), inst.String(), diags
-}
-
 // known tells a value the configuration sets from one that is null or not known yet.
 func known(v attr.Value) bool { return !v.IsNull() && !v.IsUnknown() }
 
@@ -709,7 +490,7 @@ func (r *clusterResource) Create(ctx context.Context, req resource.CreateRequest
 	}
 	request := initRequest(&plan, &config, &resp.Diagnostics)
 	pcrs := pcrValues(ctx, plan.PCRs, path.Root("pcrs"), "", &resp.Diagnostics)
-	trust, instanceID, diags := ekTrust(ctx, &plan)
+	trust, instanceID, diags := plan.EKTrust(ctx)
 	resp.Diagnostics.Append(diags...)
 	timeout, err := time.ParseDuration(plan.InitTimeout.ValueString())
 	if err != nil {
@@ -1002,7 +783,7 @@ func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest
 	if refuseInitChanges(&state, &plan, &resp.Diagnostics); resp.Diagnostics.HasError() {
 		return
 	}
-	state.PCRs, state.EKCACertificates, state.AWS, state.GCP = plan.PCRs, plan.EKCACertificates, plan.AWS, plan.GCP
+	state.PCRs, state.Trust = plan.PCRs, plan.Trust
 	state.InitTimeout = plan.InitTimeout
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }

@@ -4,17 +4,15 @@ import (
 	"context"
 	"fmt"
 	"maps"
-	"slices"
 
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
-	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/path"
-	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
 	"github.com/berthlabs/berth/internal/cloudinit"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/provider/internal/platform"
 )
 
 const defaultJoinPort = 7450
@@ -32,19 +30,18 @@ func newNodeConfigDataSource() datasource.DataSource {
 }
 
 type nodeConfigModel struct {
-	ClusterName    types.String      `tfsdk:"cluster_name"`
-	JoinCAPin      types.String      `tfsdk:"join_ca_pin"`
-	JoinPort       types.Int64       `tfsdk:"join_port"`
-	JoinEndpoints  []string          `tfsdk:"join_endpoints"`
-	InitSecretHash types.String      `tfsdk:"init_secret_hash"`
-	Hostname       types.String      `tfsdk:"hostname"`
-	Role           types.String      `tfsdk:"role"`
-	ASGroups       map[string]string `tfsdk:"autoscaling_groups"`
-	InstanceGroups map[string]string `tfsdk:"instance_groups"`
-	BareMetal      types.Bool        `tfsdk:"bare_metal"`
-	JSON           types.String      `tfsdk:"json"`
-	CloudInit      types.String      `tfsdk:"cloud_init"`
-	SizeBytes      types.Int64       `tfsdk:"size_bytes"`
+	ClusterName    types.String `tfsdk:"cluster_name"`
+	JoinCAPin      types.String `tfsdk:"join_ca_pin"`
+	JoinPort       types.Int64  `tfsdk:"join_port"`
+	JoinEndpoints  []string     `tfsdk:"join_endpoints"`
+	InitSecretHash types.String `tfsdk:"init_secret_hash"`
+	Hostname       types.String `tfsdk:"hostname"`
+	Role           types.String `tfsdk:"role"`
+	platform.Groups
+	BareMetal types.Bool   `tfsdk:"bare_metal"`
+	JSON      types.String `tfsdk:"json"`
+	CloudInit types.String `tfsdk:"cloud_init"`
+	SizeBytes types.Int64  `tfsdk:"size_bytes"`
 }
 
 func (d *nodeConfigDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
@@ -131,24 +128,6 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 					"group in `instance_groups`). Unset means worker, and it is left out of `json`. `control-plane` " +
 					"is refused when `bare_metal` is true.",
 			},
-			"autoscaling_groups": schema.MapAttribute{
-				Optional:    true,
-				ElementType: types.StringType,
-				MarkdownDescription: "For the control-plane nodes on AWS EC2: autoscaling group name to role " +
-					"(`control-plane` or `worker`). Their join services admit the instances of these groups only, each " +
-					"with its group's role: the group is the instance's `aws:autoscaling:groupName` tag, which only AWS " +
-					"sets, so no node picks its own role. Leave it out of workers' user-data.",
-			},
-			"instance_groups": schema.MapAttribute{
-				Optional:    true,
-				ElementType: types.StringType,
-				MarkdownDescription: "For the control-plane nodes on Google Compute Engine: managed instance group, as " +
-					"`<region or zone>/<name>` (a regional group `europe-west1/berth-workers`, a zonal one " +
-					"`europe-west1-b/berth-workers`), to role (`control-plane` or `worker`). Their join services admit " +
-					"the instances of these groups only, each with its group's role: membership of a managed instance " +
-					"group is Compute Engine's own record, which no node can write, so no node picks its own role. " +
-					"Leave it out of workers' user-data.",
-			},
 			"json": schema.StringAttribute{
 				Computed: true,
 				MarkdownDescription: "The user-data as JSON, the form berth-agent reads; on Compute Engine, the value " +
@@ -165,6 +144,7 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 			},
 		},
 	}
+	maps.Copy(resp.Schema.Attributes, platform.GroupAttributes())
 }
 
 // ValidateConfig refuses what cannot work before anything is read. Terraform validates again with every value
@@ -190,9 +170,7 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 		resp.Diagnostics.AddAttributeError(path.Root("role"), "Invalid role",
 			fmt.Sprintf("role is %q, want %q or %q.", role.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
 	}
-	// Autoscaling group names have no form to check here; instance group keys have the one the join service parses.
-	checkGroupRoles(ctx, req.Config, "autoscaling_groups", "autoscaling group", nil, &resp.Diagnostics)
-	checkGroupRoles(ctx, req.Config, "instance_groups", "instance group", metadata.ValidateInstanceGroup, &resp.Diagnostics)
+	platform.ValidateGroups(ctx, req.Config, &resp.Diagnostics)
 	if !bareMetal.ValueBool() {
 		return
 	}
@@ -211,30 +189,6 @@ func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasourc
 		resp.Diagnostics.AddAttributeError(path.Root("init_secret_hash"), "Init secret hash on bare-metal nodes",
 			"init_secret_hash must be unset when bare_metal is true: bare-metal nodes join as workers of a "+
 				"control plane that runs elsewhere and never initialize a cluster.")
-	}
-}
-
-// checkGroupRoles checks the known entries of the map of group to role in attr: each role, and each group
-// with checkGroup unless it is nil. Every bad entry gets its own error, on its key.
-func checkGroupRoles(ctx context.Context, config tfsdk.Config, attr, kind string, checkGroup func(string) error,
-	diags *diag.Diagnostics) {
-	var groups types.Map
-	diags.Append(config.GetAttribute(ctx, path.Root(attr), &groups)...)
-	if groups.IsNull() || groups.IsUnknown() {
-		return
-	}
-	roles := groups.Elements()
-	for _, name := range slices.Sorted(maps.Keys(roles)) {
-		at := path.Root(attr).AtMapKey(name)
-		if checkGroup != nil {
-			if err := checkGroup(name); err != nil {
-				diags.AddAttributeError(at, "Invalid "+kind, err.Error()+".")
-			}
-		}
-		if s, ok := roles[name].(types.String); ok && known(s) && !metadata.Role(s.ValueString()).Valid() {
-			diags.AddAttributeError(at, "Invalid role",
-				fmt.Sprintf("%s %q has role %q, want %q or %q.", kind, name, s.ValueString(), metadata.RoleControlPlane, metadata.RoleWorker))
-		}
 	}
 }
 
@@ -263,18 +217,7 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 		InitSecretHash: m.InitSecretHash.ValueString(),
 		Role:           metadata.Role(m.Role.ValueString()),
 	}
-	if len(m.ASGroups) > 0 {
-		u.AutoscalingGroups = make(map[string]metadata.Role, len(m.ASGroups))
-		for group, role := range m.ASGroups {
-			u.AutoscalingGroups[group] = metadata.Role(role)
-		}
-	}
-	if len(m.InstanceGroups) > 0 {
-		u.InstanceGroups = make(map[string]metadata.Role, len(m.InstanceGroups))
-		for group, role := range m.InstanceGroups {
-			u.InstanceGroups[group] = metadata.Role(role)
-		}
-	}
+	m.Groups.Apply(&u)
 	doc, cloudInit, err := cloudinit.Render(u, m.Hostname.ValueString())
 	if err != nil {
 		resp.Diagnostics.AddError("Invalid node configuration", err.Error())
