@@ -118,8 +118,13 @@ func TestJoinThreeAgents(t *testing.T) {
 
 // JoinClient is a node's join client as berth-agent wires it, retrying quickly.
 func (l *Lab) JoinClient(n *Node, kubeadm *Kubeadm, lock *nodestate.Lock) *joinclient.Client {
+	return l.joinClientWith(n, l.Metadata(n), kubeadm, lock)
+}
+
+// joinClientWith is JoinClient with the node's view of its metadata given.
+func (l *Lab) joinClientWith(n *Node, meta *metadata.Client, kubeadm *Kubeadm, lock *nodestate.Lock) *joinclient.Client {
 	return joinclient.New(joinclient.Config{
-		Metadata:  l.Metadata(n),
+		Metadata:  meta,
 		Prover:    n.Prover,
 		Disk:      n.Disk,
 		Lock:      lock,

@@ -539,7 +539,7 @@ func (l *Lab) assertNoSecret(t *testing.T, text string) {
 	}
 }
 
-func (l *Lab) addForeignNode(t *testing.T, other *swtpmtest.CA, name string) *Node {
+func (l *Lab) addForeignNode(t testing.TB, other *swtpmtest.CA, name string) *Node {
 	t.Helper()
 	saved := l.EKCA
 	l.EKCA = other
