@@ -61,8 +61,9 @@ func TestExternalControlPlane(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Kubelet certificates live three minutes, so that the node renews its own within the test.
-	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA, KubeletExpiry: "3m", KubeletBackdate: "30s"})
+	// Kubelet certificates live two minutes, so that the node renews its own within the test: long enough for
+	// a join and a Ready node under load, short enough not to make the test wait for most of its time.
+	signer := cfssltest.StartWith(t, cfssltest.Options{CA: clusterCA, KubeletExpiry: "2m", KubeletBackdate: "30s"})
 	api := kubetest.StartWith(t, kubetest.Options{Address: hostAddr, CA: clusterCA, ControllerManager: true})
 	// The join service's identity gets the Role and RoleBinding of the document, ConfigMaps in kube-system
 	// and nothing else.
