@@ -76,6 +76,8 @@ func WithoutKubeadm(settings *berthv1.KubeletSettings) Option {
 // has 127.0.0.1.
 func New(t testing.TB, opts ...Option) *Lab {
 	t.Helper()
+	// Every node's state disk is a real LUKS2 image; a user's PATH may lack /usr/sbin, where Debian puts it.
+	repotest.NeedsTools(t, "cryptsetup")
 	joinLis, err := net.Listen("tcp", net.JoinHostPort(clustertest.ServiceAddr.String(), "0"))
 	if err != nil {
 		t.Fatal(err)
