@@ -84,6 +84,11 @@ func (c *Cache) InstanceByAddress(ctx context.Context, addr netip.Addr) (*metada
 	}
 	// The call runs on the first caller's context; a caller whose context ends first stops waiting for it.
 	ch := c.flight.DoChan(addr.String(), func() (any, error) {
+		// A caller that missed the cache just before the previous flight stored its answer would otherwise
+		// start a second call as soon as that flight ends.
+		if e, ok := c.get(addr); ok {
+			return e.inst, e.err
+		}
 		inst, err := c.cfg.Lookup.InstanceByAddress(context.WithoutCancel(ctx), addr)
 		if err == nil || errors.Is(err, metadata.ErrNotFound) {
 			c.put(addr, entry{inst: inst, err: err, expires: c.cfg.Clock().Add(c.cfg.TTL)})
