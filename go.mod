@@ -73,6 +73,7 @@ require (
 	k8s.io/apimachinery v0.36.3
 	k8s.io/client-go v0.36.3
 	k8s.io/cluster-bootstrap v0.36.3
+	k8s.io/kube-proxy v0.0.0
 	k8s.io/kubelet v0.0.0
 	k8s.io/kubernetes v1.36.3
 	sigs.k8s.io/yaml v1.6.0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes and etcd binaries the real-cluster lab runs, from the versions pinned in
-# test/k8stools/go.mod, into a cache keyed by those versions:
+# test/k8stools/go.mod, and CoreDNS from test/corednstools/go.mod, into a cache keyed by those versions:
 #   ${BERTH_CACHE:-$HOME/.cache/berth}/k8s/<kubernetes>-etcd-<etcd>/bin/
 # Binaries already there are kept unless --force is given or the build settings changed. Progress goes to
 # stderr; the only line on stdout is the bin directory, so callers can run bin=$(scripts/build-k8s.sh).
@@ -35,6 +35,8 @@ cd "$module_dir"
 k8s_info=$(go list -m -f '{{.Version}} {{.Time.UTC.Format "2006-01-02T15:04:05Z"}}' k8s.io/kubernetes)
 read -r k8s_version k8s_date <<<"$k8s_info"
 etcd_version=$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)
+coredns_module_dir="$module_dir/../corednstools"
+coredns_version=$(go -C "$coredns_module_dir" list -m -f '{{.Version}}' github.com/coredns/coredns)
 if [[ ! "$k8s_version" =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+$ ]]; then
 	log "k8s.io/kubernetes is pinned to $k8s_version, want a release version vX.Y.Z"
 	exit 1
@@ -64,15 +66,17 @@ ldflags+=" -X go.etcd.io/etcd/api/v3/version.GitSHA="
 tags="selinux,notest,grpcnotrace"
 
 # name -> package, in build order.
-names=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubeadm kubectl etcd)
+names=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubeadm kubectl etcd coredns)
 declare -A pkgs=(
 	[kube-apiserver]=k8s.io/kubernetes/cmd/kube-apiserver
 	[kube-controller-manager]=k8s.io/kubernetes/cmd/kube-controller-manager
 	[kube-scheduler]=k8s.io/kubernetes/cmd/kube-scheduler
+	[kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
 	[kubelet]=k8s.io/kubernetes/cmd/kubelet
 	[kubeadm]=k8s.io/kubernetes/cmd/kubeadm
 	[kubectl]=k8s.io/kubernetes/cmd/kubectl
 	[etcd]=go.etcd.io/etcd/server/v3
+	[coredns]=.
 )
 
 # The stamp records everything that shapes the binaries. It is written before building, so the cached
@@ -88,6 +92,11 @@ if [ -f "$cache_dir/VERSION" ] && [ "$(cat "$cache_dir/VERSION")" != "$stamp" ];
 	rm -f "${names[@]/#/$bin_dir/}"
 fi
 printf '%s\n' "$stamp" >"$cache_dir/VERSION"
+# CoreDNS's version is not in the stamp, whose change rebuilds everything: a CoreDNS of another version is
+# rebuilt alone.
+if [ -x "$bin_dir/coredns" ] && ! "$bin_dir/coredns" -version 2>/dev/null | grep -qF "CoreDNS-${coredns_version#v}"; then
+	rm -f "$bin_dir/coredns"
+fi
 
 total_start=$EPOCHREALTIME
 i=0
@@ -102,8 +111,14 @@ for name in "${names[@]}"; do
 	start=$EPOCHREALTIME
 	# -p 2 keeps peak memory near 2 GB; kubelet builds without cgo too, so every binary is static.
 	# Build beside the target and rename, so an interrupted build never leaves a binary that looks done.
-	CGO_ENABLED=0 go build -trimpath -buildvcs=false -p 2 -tags "$tags" -ldflags "$ldflags" \
-		-o "$out.tmp" "${pkgs[$name]}"
+	if [ "$name" = coredns ]; then
+		# Its own module, so that CoreDNS's dependency graph never moves the versions Kubernetes builds with.
+		CGO_ENABLED=0 go -C "$coredns_module_dir" build -trimpath -buildvcs=false -p 2 -ldflags "-s -w" \
+			-o "$out.tmp" "${pkgs[$name]}"
+	else
+		CGO_ENABLED=0 go build -trimpath -buildvcs=false -p 2 -tags "$tags" -ldflags "$ldflags" \
+			-o "$out.tmp" "${pkgs[$name]}"
+	fi
 	mv -f "$out.tmp" "$out"
 	log "built $name in $(elapsed "$start")"
 done
@@ -115,6 +130,7 @@ for name in "${names[@]}"; do
 	kubeadm) args=(version -o short) want="$k8s_version" ;;
 	kubectl) args=(version --client) want="Client Version: $k8s_version" ;;
 	etcd) args=(--version) want="etcd Version: ${etcd_version#v}" ;;
+	coredns) args=(-version) want="CoreDNS-${coredns_version#v}" ;;
 	*) args=(--version) want="Kubernetes $k8s_version" ;;
 	esac
 	if ! got=$("$bin_dir/$name" "${args[@]}" 2>&1); then

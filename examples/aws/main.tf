@@ -185,7 +185,7 @@ resource "aws_launch_template" "node" {
   image_id               = local.ami
   instance_type          = var.instance_type
   user_data              = base64encode(each.value.user_data)
-  vpc_security_group_ids = [each.value.sg]
+  vpc_security_group_ids = [each.value.sg, aws_security_group.pod_network.id]
 
   dynamic "iam_instance_profile" {
     for_each = each.value.profile == null ? [] : [each.value.profile]

@@ -94,3 +94,18 @@ resource "aws_security_group" "worker" {
     cidr_blocks = ["0.0.0.0/0"]
   }
 }
+
+# Every node, both roles: the pod network's tunnel between nodes (docs/networking.md). Only members of this
+# group may send into it: the tunnel carries pods' packets unauthenticated.
+resource "aws_security_group" "pod_network" {
+  name_prefix = "${local.cluster_name}-pods-"
+  vpc_id      = var.vpc_id
+
+  ingress {
+    description = "pod network: VXLAN (Flannel, Cilium), between nodes"
+    from_port   = 8472
+    to_port     = 8472
+    protocol    = "udp"
+    self        = true
+  }
+}

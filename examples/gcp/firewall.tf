@@ -77,6 +77,22 @@ resource "google_compute_firewall" "kubelet" {
   }
 }
 
+# The pod network's tunnel between nodes, both roles (docs/networking.md). Only the nodes may send into it: the
+# tunnel carries pods' packets unauthenticated.
+resource "google_compute_firewall" "pod_network" {
+  name                    = "${local.cluster_name}-pod-network"
+  network                 = google_compute_network.cluster.id
+  description             = "pod network: VXLAN (Flannel, Cilium), between nodes"
+  direction               = "INGRESS"
+  source_service_accounts = [google_service_account.control_plane.email, google_service_account.worker.email]
+  target_service_accounts = [google_service_account.control_plane.email, google_service_account.worker.email]
+
+  allow {
+    protocol = "udp"
+    ports    = ["8472"]
+  }
+}
+
 # Google's health checkers probe the backends from these ranges, and the load balancer sends traffic only to
 # backends they find healthy.
 resource "google_compute_firewall" "health_checks" {

@@ -28,6 +28,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/version"
+	kubeproxyv1alpha1 "k8s.io/kube-proxy/config/v1alpha1"
 	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	"k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm/v1beta4"
@@ -87,6 +88,25 @@ type InitParams struct {
 	// Kubelet is the cluster-wide kubelet configuration kubeadm uploads for every node; zero leaves
 	// kubeadm's defaults.
 	Kubelet KubeletSettings
+	// KubeProxy is the cluster-wide kube-proxy configuration kubeadm installs kube-proxy with; zero leaves
+	// kubeadm's defaults.
+	KubeProxy KubeProxySettings
+}
+
+// KubeProxySettings are the kube-proxy fields that depend on the machines rather than the cluster.
+type KubeProxySettings struct {
+	// ConntrackMaxPerCore is kube-proxy's conntrack.maxPerCore. 0 leaves the kernel's connection-tracking
+	// table size alone: machines that share a kernel (containers, the lab's nodes) cannot set it, and
+	// kube-proxy exits when it fails to. nil keeps kube-proxy's default.
+	ConntrackMaxPerCore *int32 `json:"conntrackMaxPerCore,omitempty"`
+}
+
+// Validate says what is wrong with s.
+func (s KubeProxySettings) Validate() error {
+	if n := s.ConntrackMaxPerCore; n != nil && *n < 0 {
+		return fmt.Errorf("kube-proxy conntrackMaxPerCore %d: want 0 (leave the kernel's table size) or more", *n)
+	}
+	return nil
 }
 
 // KubeletSettings are the kubelet fields that depend on the image rather than the node.
@@ -198,25 +218,44 @@ func InitConfig(p InitParams) ([]byte, error) {
 		ImageRepository:      p.ImageRepository,
 		ClusterName:          p.ClusterName,
 	}
-	if p.Kubelet == (KubeletSettings{}) {
-		return marshalDocuments(initCfg, clusterCfg)
+	docs := []any{initCfg, clusterCfg}
+	kubelet, err := kubeletDocument(p.Kubelet)
+	if err != nil {
+		return nil, err
 	}
-	if d := p.Kubelet.CgroupDriver; d != "" && d != "systemd" && d != "cgroupfs" {
+	if kubelet != nil {
+		docs = append(docs, kubelet)
+	}
+	if err := p.KubeProxy.Validate(); err != nil {
+		return nil, err
+	}
+	if n := p.KubeProxy.ConntrackMaxPerCore; n != nil {
+		// Written as a map: the typed configuration has no omitempty and would set every field to zero.
+		docs = append(docs, map[string]any{
+			"apiVersion": kubeproxyv1alpha1.SchemeGroupVersion.String(), "kind": "KubeProxyConfiguration",
+			"conntrack": map[string]any{"maxPerCore": *n},
+		})
+	}
+	return marshalDocuments(docs...)
+}
+
+// kubeletDocument is the KubeletConfiguration document of s, nil for zero settings.
+func kubeletDocument(s KubeletSettings) (map[string]any, error) {
+	if s == (KubeletSettings{}) {
+		return nil, nil
+	}
+	if d := s.CgroupDriver; d != "" && d != "systemd" && d != "cgroupfs" {
 		return nil, fmt.Errorf("kubelet cgroup driver %q: want systemd or cgroupfs", d)
 	}
 	kubeletCfg := kubeletv1beta1.KubeletConfiguration{
 		TypeMeta:     metav1.TypeMeta{APIVersion: kubeletv1beta1.SchemeGroupVersion.String(), Kind: "KubeletConfiguration"},
-		CgroupDriver: p.Kubelet.CgroupDriver,
+		CgroupDriver: s.CgroupDriver,
 	}
-	if p.Kubelet.AllowCgroupV1 {
+	if s.AllowCgroupV1 {
 		fail := false
 		kubeletCfg.FailCgroupV1 = &fail
 	}
-	kubeletDoc, err := setFields(kubeletCfg, kubeletv1beta1.KubeletConfiguration{TypeMeta: kubeletCfg.TypeMeta})
-	if err != nil {
-		return nil, err
-	}
-	return marshalDocuments(initCfg, clusterCfg, kubeletDoc)
+	return setFields(kubeletCfg, kubeletv1beta1.KubeletConfiguration{TypeMeta: kubeletCfg.TypeMeta})
 }
 
 // setFields is doc with only the top-level fields that differ from empty, plus apiVersion and kind. The

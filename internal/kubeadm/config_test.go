@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	kubeproxyv1alpha1 "k8s.io/kube-proxy/config/v1alpha1"
 	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
 	kubeadmapi "k8s.io/kubernetes/cmd/kubeadm/app/apis/kubeadm"
@@ -505,5 +506,51 @@ func TestInitConfigKubelet(t *testing.T) {
 	p.Kubelet = KubeletSettings{CgroupDriver: "cgroupv1"}
 	if _, err := InitConfig(p); err == nil || !strings.Contains(err.Error(), "cgroup driver") {
 		t.Errorf("bad cgroup driver: %v", err)
+	}
+}
+
+func TestInitConfigKubeProxy(t *testing.T) {
+	p := fullInitParams()
+	zero := int32(0)
+	p.KubeProxy = KubeProxySettings{ConntrackMaxPerCore: &zero}
+	b, err := InitConfig(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gvkmap, err := kubeadmutil.SplitConfigDocuments(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var proxy []byte
+	for gvk, doc := range gvkmap {
+		if gvk.Kind == "KubeProxyConfiguration" {
+			if gvk.GroupVersion() != kubeproxyv1alpha1.SchemeGroupVersion {
+				t.Errorf("KubeProxyConfiguration has group version %s", gvk.GroupVersion())
+			}
+			proxy = doc
+		}
+	}
+	if proxy == nil {
+		t.Fatalf("no KubeProxyConfiguration document:\n%s", b)
+	}
+	var got kubeproxyv1alpha1.KubeProxyConfiguration
+	decodeStrict(t, proxy, &got)
+	if got.Conntrack.MaxPerCore == nil || *got.Conntrack.MaxPerCore != 0 {
+		t.Errorf("kube-proxy conntrack %+v, want maxPerCore 0", got.Conntrack)
+	}
+	var fields map[string]any
+	decodeStrict(t, proxy, &fields)
+	if len(fields) != 3 {
+		t.Errorf("the kube-proxy document sets %v; want only apiVersion, kind and conntrack", fields)
+	}
+
+	p.KubeProxy = KubeProxySettings{}
+	if b, err = InitConfig(p); err != nil || strings.Contains(string(b), "KubeProxyConfiguration") {
+		t.Errorf("no kube-proxy settings must leave kubeadm's kube-proxy defaults: %v\n%s", err, b)
+	}
+	negative := int32(-1)
+	p.KubeProxy = KubeProxySettings{ConntrackMaxPerCore: &negative}
+	if _, err := InitConfig(p); err == nil || !strings.Contains(err.Error(), "conntrackMaxPerCore -1") {
+		t.Errorf("negative conntrackMaxPerCore: %v", err)
 	}
 }

@@ -50,9 +50,9 @@ func setupBridge(ctx context.Context, hostCIDR string) error {
 	return nil
 }
 
-// setupNodeNetwork gives a node its network namespace, a veth to the bridge with addr, and a default route
-// through the host.
-func setupNodeNetwork(ctx context.Context, node, cidr, gateway string) error {
+// setupNodeNetwork gives a node its network namespace, a veth to the bridge with addr, a default route
+// through the host and the routes to the other nodes' pods.
+func setupNodeNetwork(ctx context.Context, node, cidr, gateway string, podRoutes []string) error {
 	ns, veth := netnsPrefix+node, vethPrefix+node
 	cmds := [][]string{
 		{"netns", "add", ns},
@@ -69,8 +69,36 @@ func setupNodeNetwork(ctx context.Context, node, cidr, gateway string) error {
 			return err
 		}
 	}
-	// kubeadm's preflight wants forwarding on, and the node's pods are routed through its namespace.
-	_, err := run(ctx, "ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+	batch := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
+	batch.Stdin = strings.NewReader(strings.Join(podRoutes, "\n") + "\n")
+	if out, err := batch.CombinedOutput(); err != nil {
+		return fmt.Errorf("routes to the other nodes' pods: %w: %s", err, out)
+	}
+	// kubeadm's preflight wants forwarding on, and the node's pods are routed through its namespace. Traffic
+	// between two pods of one node crosses its cni0 bridge: kube-proxy's rules see it (a Service's reply to a
+	// pod on the same node) only when the bridge hands it to iptables.
+	_, err := run(ctx, "ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.bridge.bridge-nf-call-iptables=1")
+	return err
+}
+
+// resetNodeNetwork leaves a node's network namespace as a cold boot finds its network: the machine's
+// interface and routes, but no packet-filter rules and no pod bridge, which kube-proxy, the kubelet and the
+// CNI plugin must make again. The namespace itself outlives the node's power cycles.
+func resetNodeNetwork(ctx context.Context, node string) error {
+	ns := "--net=/run/netns/" + netnsPrefix + node
+	for _, cmd := range []string{"iptables", "ip6tables"} {
+		for _, table := range []string{"filter", "nat", "mangle", "raw"} {
+			for _, op := range []string{"-F", "-X"} {
+				if _, err := run(ctx, "nsenter", ns, cmd, "-t", table, op); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if _, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "show", "cni0"); err != nil {
+		return nil
+	}
+	_, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "del", "cni0")
 	return err
 }
 

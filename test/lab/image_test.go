@@ -8,8 +8,13 @@ import (
 	"encoding/json"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 func TestWriteDockerArchive(t *testing.T) {
@@ -87,5 +92,34 @@ func TestWriteDockerArchive(t *testing.T) {
 		if names[i] != want[i] {
 			t.Fatalf("layer holds %v, want %v", names, want)
 		}
+	}
+}
+
+// TestKubeadmImages pins the lab's image names to those its kubeadm asks for, and its CoreDNS build to the
+// version kubeadm names: an image that drifts away sends kubeadm or the kubelet to a registry this machine
+// cannot reach.
+func TestKubeadmImages(t *testing.T) {
+	kubeBin := repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
+	out, err := exec.Command(filepath.Join(kubeBin, "kubeadm"), "config", "images", "list", "--kubernetes-version", KubernetesVersion).Output()
+	if err != nil {
+		t.Fatalf("kubeadm config images list: %v", err)
+	}
+	got := strings.Fields(string(out))
+	want := []string{pauseImage, etcdImage, kubeProxyImage, corednsImage}
+	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
+		want = append(want, "registry.k8s.io/"+c+":"+KubernetesVersion)
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("kubeadm %s asks for\n%s\nthe lab makes\n%s", KubernetesVersion, strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	version, err := exec.Command(filepath.Join(kubeBin, "coredns"), "-version").Output()
+	if err != nil {
+		t.Fatalf("coredns -version: %v", err)
+	}
+	_, tag, _ := strings.Cut(corednsImage, ":v")
+	if !strings.Contains(string(version), "CoreDNS-"+tag+"\n") {
+		t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm's image is %s", version, corednsImage)
 	}
 }

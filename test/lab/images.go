@@ -3,47 +3,68 @@ package lab
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 )
 
-// Image names kubeadm v1.36.3 asks for (`kubeadm config images list`), and the lab's test workload.
+// Image names kubeadm v1.36.3 asks for (`kubeadm config images list`; TestKubeadmImages), and the lab's
+// test workloads.
 const (
-	pauseImage    = "registry.k8s.io/pause:3.10.2"
-	etcdImage     = "registry.k8s.io/etcd:3.6.8-0"
-	WorkloadImage = "berthlab.local/sleeper:v1"
+	pauseImage     = "registry.k8s.io/pause:3.10.2"
+	etcdImage      = "registry.k8s.io/etcd:3.6.8-0"
+	kubeProxyImage = "registry.k8s.io/kube-proxy:" + KubernetesVersion
+	corednsImage   = "registry.k8s.io/coredns/coredns:v1.14.2"
+	WorkloadImage  = "berthlab.local/sleeper:v1"
+	// ProbeImage serves and fetches over HTTP (test/lab/probe): the pod network's and the Services' test.
+	ProbeImage = "berthlab.local/probe:v1"
 )
 
 // imageSet is where buildImages wrote the images; lab.json keeps it for the processes that add nodes.
 type imageSet struct {
-	Pause        string   `json:"pause"`
-	PauseTar     string   `json:"pauseTar"`
-	WorkloadTar  string   `json:"workloadTar"`
+	Pause string `json:"pause"`
+	// Every node loads these; control-plane nodes the ControlPlane images too.
+	Node         []string `json:"node"`
 	ControlPlane []string `json:"controlPlane"`
 }
 
-// buildImages makes the control-plane images from the built binaries, and the pause and workload images
-// from the lab's pause program, as docker-archive tars.
+// iptablesCommands are the names kube-proxy runs; the host's iptables is one program that acts on the
+// name it is started as.
+var iptablesCommands = []string{"iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"}
+
+// buildImages makes the control-plane, kube-proxy and CoreDNS images from the built binaries, and the pause
+// and workload images from the lab's own programs, as docker-archive tars.
 func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return imageSet{}, err
 	}
-	pauseBin := filepath.Join(dir, "pause")
-	_, file, _, _ := runtime.Caller(0)
-	// -C: the command may run outside the module (from Terraform's working directory, say).
-	if _, err := runEnv(ctx, []string{"CGO_ENABLED=0"}, "go", "build", "-C", filepath.Join(filepath.Dir(file), "pause"),
-		"-trimpath", "-ldflags=-s -w", "-o", pauseBin, "."); err != nil {
+	pauseBin, err := buildProgram(ctx, "pause", dir)
+	if err != nil {
 		return imageSet{}, err
 	}
-	path := "PATH=/usr/local/bin:/usr/bin:/bin"
+	probeBin, err := buildProgram(ctx, "probe", dir)
+	if err != nil {
+		return imageSet{}, err
+	}
+	iptables, err := hostProgram("/usr/sbin/iptables", "/usr/lib/x86_64-linux-gnu/xtables/*.so", iptablesCommands)
+	if err != nil {
+		return imageSet{}, fmt.Errorf("kube-proxy's iptables: %w", err)
+	}
+	path := "PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 	bin := func(name string) ImageFile {
 		return ImageFile{Path: "usr/local/bin/" + name, Src: filepath.Join(kubeBin, name), Mode: 0o755}
 	}
 	images := []Image{
 		{Name: pauseImage, Files: []ImageFile{{Path: "pause", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/pause"}},
 		{Name: WorkloadImage, Files: []ImageFile{{Path: "sleeper", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/sleeper"}},
+		{Name: ProbeImage, Files: []ImageFile{{Path: "probe", Src: probeBin, Mode: 0o755}}, Entrypoint: []string{"/probe"}},
+		{Name: kubeProxyImage, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}},
+		// CoreDNS's Deployment runs the image's entrypoint with -conf.
+		{Name: corednsImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
 		{Name: etcdImage, Files: []ImageFile{bin("etcd")}, Env: []string{path}},
 	}
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
@@ -51,27 +72,98 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	}
 	set := imageSet{Pause: pauseImage}
 	for _, img := range images {
-		name := strings.NewReplacer("/", "_", ":", "_").Replace(img.Name) + ".tar"
-		tarPath := filepath.Join(dir, name)
-		f, err := os.Create(tarPath)
+		tarPath, err := writeImage(img, dir)
 		if err != nil {
 			return imageSet{}, err
 		}
-		err = img.WriteDockerArchive(f)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return imageSet{}, fmt.Errorf("%s: %w", img.Name, err)
-		}
 		switch img.Name {
-		case pauseImage:
-			set.PauseTar = tarPath
-		case WorkloadImage:
-			set.WorkloadTar = tarPath
-		default:
+		case etcdImage, "registry.k8s.io/kube-apiserver:" + KubernetesVersion,
+			"registry.k8s.io/kube-controller-manager:" + KubernetesVersion, "registry.k8s.io/kube-scheduler:" + KubernetesVersion:
 			set.ControlPlane = append(set.ControlPlane, tarPath)
+		default:
+			set.Node = append(set.Node, tarPath)
 		}
 	}
 	return set, nil
+}
+
+// buildProgram builds the lab's program in the directory name beside this file, statically, into dir.
+func buildProgram(ctx context.Context, name, dir string) (string, error) {
+	out := filepath.Join(dir, name)
+	_, file, _, _ := runtime.Caller(0)
+	// -C: the command may run outside the module (from Terraform's working directory, say).
+	if _, err := runEnv(ctx, []string{"CGO_ENABLED=0"}, "go", "build", "-C", filepath.Join(filepath.Dir(file), name),
+		"-trimpath", "-ldflags=-s -w", "-o", out, "."); err != nil {
+		return "", fmt.Errorf("building %s: %w", name, err)
+	}
+	return out, nil
+}
+
+// hostProgram is a dynamically linked program of the host, under each of names in usr/sbin, with the
+// plug-ins it opens at run time (the files pluginGlob matches, as iptables' xtables extensions) and the
+// shared libraries both load, at the paths where the host's loader finds them.
+func hostProgram(program, pluginGlob string, names []string) ([]ImageFile, error) {
+	real, err := filepath.EvalSymlinks(program)
+	if err != nil {
+		return nil, err
+	}
+	var files []ImageFile
+	for _, n := range names {
+		files = append(files, ImageFile{Path: "usr/sbin/" + n, Src: real, Mode: 0o755})
+	}
+	objects := []string{real}
+	plugins, err := filepath.Glob(pluginGlob)
+	if err != nil {
+		return nil, err
+	}
+	if len(plugins) == 0 {
+		return nil, fmt.Errorf("no plug-ins of %s match %s", program, pluginGlob)
+	}
+	for _, p := range plugins {
+		files = append(files, ImageFile{Path: strings.TrimPrefix(p, "/"), Src: p, Mode: 0o644})
+	}
+	objects = append(objects, plugins...)
+	libs := map[string]bool{}
+	for _, o := range objects {
+		out, err := exec.Command("ldd", o).Output()
+		if err != nil {
+			return nil, fmt.Errorf("ldd %s: %w", o, err)
+		}
+		for _, line := range strings.Split(string(out), "\n") {
+			// "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)" or the loader's "/lib64/ld-linux-x86-64.so.2 (0x…)".
+			f := strings.Fields(line)
+			switch {
+			case len(f) >= 3 && f[1] == "=>" && strings.HasPrefix(f[2], "/"):
+				libs[f[2]] = true
+			case len(f) == 2 && strings.HasPrefix(f[0], "/"):
+				libs[f[0]] = true
+			}
+		}
+	}
+	for _, lib := range slices.Sorted(maps.Keys(libs)) {
+		src, err := filepath.EvalSymlinks(lib)
+		if err != nil {
+			return nil, err
+		}
+		files = append(files, ImageFile{Path: strings.TrimPrefix(lib, "/"), Src: src, Mode: 0o755})
+	}
+	return files, nil
+}
+
+// writeImage writes img into dir as a docker-archive tar named after it.
+func writeImage(img Image, dir string) (string, error) {
+	name := strings.NewReplacer("/", "_", ":", "_").Replace(img.Name) + ".tar"
+	tarPath := filepath.Join(dir, name)
+	f, err := os.Create(tarPath)
+	if err != nil {
+		return "", err
+	}
+	err = img.WriteDockerArchive(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", img.Name, err)
+	}
+	return tarPath, nil
 }

@@ -30,6 +30,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -174,6 +175,21 @@ func podSubnet(addr netip.Addr) netip.Prefix {
 	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, addr.As4()[3], 0}), 24)
 }
 
+// podRoutes are the routes from the node at self to every other node's pods: each node's share of the pod
+// network (podSubnet) through that node's address on the bridge, as a host-gateway pod network routes
+// (Flannel's host-gw, Calico without encapsulation). They cover every address of the lab's network, so a
+// node added later is reached without a change to the nodes that are up, and they live in the node's
+// network namespace, which outlives its reboots.
+func podRoutes(self netip.Addr) []string {
+	var routes []string
+	for a := labSubnet.Addr().Next(); labSubnet.Contains(a) && a.As4()[3] != 255; a = a.Next() {
+		if a != self && a != hostAddr {
+			routes = append(routes, fmt.Sprintf("route add %s via %s", podSubnet(a), a))
+		}
+	}
+	return routes
+}
+
 // Node is the lab node called name, if this process knows it.
 func (l *Lab) Node(name string) *Node {
 	for _, n := range l.Nodes {
@@ -261,13 +277,14 @@ func (l *Lab) startHost(ctx context.Context) error {
 			return err
 		}
 	}
-	// Made once here, so that nodes added at the same time never race on them.
-	for _, target := range nodeMounts {
+	// Made once here, so that nodes added at the same time never race on them. /lib/modules is no node
+	// mount, but kube-proxy's pods mount it from their node, and this host's kernel has no modules.
+	for _, target := range append(slices.Clone(nodeMounts), "/lib/modules") {
 		if err := l.ensureHostDir(target); err != nil {
 			return err
 		}
 	}
-	l.progress("images: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, test workload")
+	l.progress("images: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, test workloads")
 	var err error
 	if l.images, err = buildImages(ctx, l.cfg.KubeBin, l.path("images")); err != nil {
 		return fmt.Errorf("images: %w", err)

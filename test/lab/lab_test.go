@@ -22,7 +22,9 @@ import (
 
 // TestLab brings up a real cluster (two control-plane nodes and a worker, then a second worker joining the
 // running cluster, its time from agent start to Node Ready reported by stage: see reportJoinFigure), runs a
-// pod, reboots a worker, and takes the lab down again, checking on the way what issue 3 asks: real kubeadm init and join, the
+// pod, reaches a Service by its name from a worker before and after that worker reboots (kube-proxy,
+// CoreDNS and the pod network between nodes, issue 26), and takes the lab down again, checking on the way
+// what issue 3 asks: real kubeadm init and join, the
 // workers' kubelet certificates are the join service's, the second control plane serves, a reboot unlocks
 // the disk by a rejoin ticket without a new join (its TPM measured again), another process finds the lab
 // Ready from its directory (berth-lab wait), and nothing is left on the host afterwards. Every node
@@ -100,7 +102,16 @@ func TestLab(t *testing.T) {
 	}
 	checkNodeIdentityOnlyFromJoinService(ctx, t, l, l.Node("worker-0"), "cp-0")
 
+	// A cluster runs workloads, not just nodes: a Service over replicas on two other nodes, one of them a
+	// control plane, is reached by its name from worker-1, before and after worker-1's reboot.
 	w := l.Node("worker-1")
+	if err := l.WaitAddons(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.ServeProbe(ctx, "web", []*Node{cp1, l.Node("worker-0")}); err != nil {
+		t.Fatal(err)
+	}
+	checkServiceReached(ctx, t, l, "web", "fetch-before-reboot", w)
 	since := time.Now()
 	if err := w.Reboot(ctx); err != nil {
 		t.Fatal(err)
@@ -119,6 +130,9 @@ func TestLab(t *testing.T) {
 	if n := strings.Count(string(log), `"msg":"running kubeadm"`); n != 1 {
 		t.Errorf("kubeadm ran %d times on worker-1 over two boots, want once (no new join after a reboot)", n)
 	}
+	// The reboot emptied worker-1's packet filter and took its pod bridge: kube-proxy and the CNI plugin
+	// made them again.
+	checkServiceReached(ctx, t, l, "web", "fetch-after-reboot", w)
 	// Another process picks the lab up from its directory, rebooted worker included, and finds it Ready.
 	out, err := exec.CommandContext(ctx, cfg.LabBinary, "wait", "--dir", cfg.Dir, "--kubeconfig", l.Kubeconfig, "--timeout", "2m").CombinedOutput()
 	if err != nil {
@@ -207,8 +221,32 @@ func pool(c *x509.Certificate) *x509.CertPool {
 	return p
 }
 
-// buildTools returns the Kubernetes binaries (BERTH_KUBE_BIN, or built and cached by scripts/build-k8s.sh)
-// and freshly built berth-agent and berth-lab binaries.
+// checkServiceReached runs a pod on client that reaches the Service of the probe's Deployment name by
+// its DNS name, and checks that every replica answered, none of them on client: the pod network carried the
+// requests to other nodes.
+func checkServiceReached(ctx context.Context, t *testing.T, l *Lab, name, pod string, client *Node) {
+	t.Helper()
+	replicas, err := l.ProbeReplicas(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	answered, err := l.FetchProbe(ctx, pod, name, client, len(replicas))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range answered {
+		switch node, ok := replicas[p]; {
+		case !ok:
+			t.Errorf("%s: answered by %s, which is no replica of %s (%v)", pod, p, name, replicas)
+		case node == client.Name:
+			t.Errorf("%s: answered by %s on its own node: the test needs replicas elsewhere", pod, p)
+		}
+	}
+	if len(answered) != len(replicas) {
+		t.Errorf("%s: answered by %v, want every replica of %v", pod, answered, replicas)
+	}
+}
+
 // labTest is the frame of a lab test: root, this tree's tools built, up making the lab in c.Dir, and at the
 // end the lab taken down, nothing of it left on the host, and its progress in the test's log. It returns
 // the configuration up was given.
@@ -234,6 +272,8 @@ func labTest(t *testing.T, up func(c Config) error) Config {
 	return c
 }
 
+// buildTools returns the Kubernetes binaries (BERTH_KUBE_BIN, or built and cached by scripts/build-k8s.sh)
+// and freshly built berth-agent and berth-lab binaries.
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
 	kubeBin = repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")

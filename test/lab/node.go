@@ -147,7 +147,7 @@ func (n *Node) create(ctx context.Context, userData metadata.UserData) error {
 		return fmt.Errorf("cgroups: %w", err)
 	}
 	cidr := netip.PrefixFrom(n.Addr, labSubnet.Bits()).String()
-	if err := setupNodeNetwork(ctx, n.Name, cidr, hostAddr.String()); err != nil {
+	if err := setupNodeNetwork(ctx, n.Name, cidr, hostAddr.String(), podRoutes(n.Addr)); err != nil {
 		return fmt.Errorf("network: %w", err)
 	}
 	if err := os.MkdirAll(n.path("tpm/state"), 0o700); err != nil {
@@ -229,6 +229,9 @@ func (n *Node) powerOn(ctx context.Context) error {
 	if err := removeCgroups(filepath.Join(n.Name, "kubepods")); err != nil {
 		return fmt.Errorf("removing the last boot's pod cgroups: %w", err)
 	}
+	if err := resetNodeNetwork(ctx, n.Name); err != nil {
+		return fmt.Errorf("network: %w", err)
+	}
 	hostname, err := n.applyCloudInit()
 	if err != nil {
 		return fmt.Errorf("cloud-init: %w", err)
@@ -255,7 +258,7 @@ func (n *Node) powerOn(ctx context.Context) error {
 		}
 		n.lab.progress("%s: instance %d (group %s) known to Compute Engine, its metadata server on %s", n.Name, n.gce.ID, n.gce.Group, gceMetadataAddr)
 	}
-	images := []string{n.lab.images.PauseTar, n.lab.images.WorkloadTar}
+	images := slices.Clone(n.lab.images.Node)
 	if n.Role == metadata.RoleControlPlane {
 		images = append(images, n.lab.images.ControlPlane...)
 	}
@@ -593,11 +596,12 @@ state = "/run/containerd"
 		return err
 	}
 	cfg := map[string]any{
-		"tpm":           "unix:" + n.path("tpm/tpm.sock"),
-		"stateDisk":     n.path("state.img"),
-		"kubeadm":       filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
-		"ekCABundle":    n.lab.EKCAPath(),
-		"skipPhases":    []string{"addon/kube-proxy", "addon/coredns"},
+		"tpm":        "unix:" + n.path("tpm/tpm.sock"),
+		"stateDisk":  n.path("state.img"),
+		"kubeadm":    filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
+		"ekCABundle": n.lab.EKCAPath(),
+		// The lab's nodes share the host's kernel, whose connection-tracking table size only the host sets.
+		"kubeProxy":     map[string]any{"conntrackMaxPerCore": 0},
 		"retryMax":      "2s",
 		"pcrs":          QuotedPCRs,
 		"sourceAddress": n.Addr.String(),
@@ -612,6 +616,9 @@ state = "/run/containerd"
 			"extraArgs": map[string]string{
 				"cgroup-root":  "/" + n.cgroup(),
 				"fail-swap-on": "false",
+				// The nodes share the host's disk, and how full it is belongs to the host: with kubelet's
+				// defaults a host disk 85 % full had every node evict the test's pods for DiskPressure.
+				"eviction-hard": "memory.available<100Mi,nodefs.available<1%,imagefs.available<1%,nodefs.inodesFree<1%",
 			},
 		},
 	}

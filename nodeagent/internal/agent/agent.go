@@ -227,7 +227,8 @@ func (a *Agent) startInitServer(ctx context.Context, prover Prover, lock *nodest
 		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint(), inst: &self.Instance}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
-			Kubelet: kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
+			Kubelet:   kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
+			KubeProxy: a.cfg.KubeProxy,
 		},
 	})
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
@@ -85,6 +86,8 @@ type Config struct {
 	ImageRepository string `json:"imageRepository,omitempty"`
 	// Kubelet says how this machine runs its kubelet.
 	Kubelet KubeletConfig `json:"kubelet,omitempty"`
+	// KubeProxy goes to the cluster's kube-proxy configuration when this node initializes it.
+	KubeProxy kubeadm.KubeProxySettings `json:"kubeProxy,omitempty"`
 	// RetryMax caps the join client's backoff.
 	RetryMax configfile.Duration `json:"retryMax,omitempty"`
 	// LocalUnlock seals the disk key in this node's TPM, under the join policy's images for its role, so that
@@ -198,6 +201,9 @@ func (c *Config) Validate() error {
 	}
 	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
 		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
+	}
+	if err := c.KubeProxy.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if c.SourceAddress != "" {
 		if _, err := netip.ParseAddr(c.SourceAddress); err != nil {
