@@ -56,6 +56,10 @@ declare -A pkgs=(
 	[sqlite3]=sqlite3
 	[zip]=zip
 	[unzip]=unzip
+	# The conformance suite's test images carry these as upstream's carry Alpine's (make conformance).
+	[dig]=bind9-dnsutils
+	[nc.openbsd]=netcat-openbsd
+	[curl]=curl
 )
 # Terraform is not in Debian: the provider's tests and `make lab` run the release HashiCorp publishes. The
 # binary's checksum is pinned, so a tampered or different download is refused.

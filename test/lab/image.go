@@ -3,6 +3,7 @@ package lab
 import (
 	"archive/tar"
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -12,10 +13,13 @@ import (
 	"sort"
 )
 
-// ImageFile is one file of an image's only layer.
+// ImageFile is one file of an image's only layer: a copy of a host file, a symbolic link, or (with neither
+// Src nor Link) a directory.
 type ImageFile struct {
 	Path string // inside the image, without a leading slash
 	Src  string // on the host
+	Link string // the target, for a symbolic link
+	Data []byte // the content, for a file made here instead of copied (Src empty)
 	Mode int64
 }
 
@@ -25,7 +29,10 @@ type Image struct {
 	Name       string // full reference, e.g. registry.k8s.io/pause:3.10.1
 	Files      []ImageFile
 	Entrypoint []string
+	Cmd        []string
 	Env        []string
+	User       string
+	WorkingDir string
 }
 
 // WriteDockerArchive writes img in the docker-archive format (`docker save`): a layer tar, the image
@@ -39,8 +46,9 @@ func (img Image) WriteDockerArchive(w io.Writer) error {
 	config, err := json.Marshal(map[string]any{
 		"architecture": "amd64",
 		"os":           "linux",
-		"config":       map[string]any{"Entrypoint": img.Entrypoint, "Env": img.Env},
-		"rootfs":       map[string]any{"type": "layers", "diff_ids": []string{"sha256:" + hex.EncodeToString(diffID[:])}},
+		"config": map[string]any{"Entrypoint": img.Entrypoint, "Cmd": img.Cmd, "Env": img.Env, "User": img.User,
+			"WorkingDir": img.WorkingDir},
+		"rootfs": map[string]any{"type": "layers", "diff_ids": []string{"sha256:" + hex.EncodeToString(diffID[:])}},
 	})
 	if err != nil {
 		return err
@@ -70,11 +78,15 @@ func (img Image) WriteDockerArchive(w io.Writer) error {
 
 func (img Image) layer() ([]byte, error) {
 	files := append([]ImageFile(nil), img.Files...)
-	sort.Slice(files, func(i, j int) bool { return files[i].Path < files[j].Path })
+	sort.SliceStable(files, func(i, j int) bool { return files[i].Path < files[j].Path })
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	dirs := map[string]bool{}
-	for _, f := range files {
+	for i, f := range files {
+		// Programs copied from the host share libraries: the first of a path wins.
+		if i > 0 && files[i-1].Path == f.Path {
+			continue
+		}
 		for _, d := range parents(f.Path) {
 			if dirs[d] {
 				continue
@@ -84,9 +96,28 @@ func (img Image) layer() ([]byte, error) {
 				return nil, err
 			}
 		}
-		data, err := os.ReadFile(f.Src)
-		if err != nil {
-			return nil, err
+		switch {
+		case f.Link != "":
+			if err := tw.WriteHeader(&tar.Header{Name: f.Path, Typeflag: tar.TypeSymlink, Linkname: f.Link, Mode: 0o777, Format: tar.FormatPAX}); err != nil {
+				return nil, err
+			}
+			continue
+		case f.Src == "" && f.Data == nil:
+			if dirs[f.Path] {
+				continue
+			}
+			dirs[f.Path] = true
+			if err := tw.WriteHeader(&tar.Header{Name: f.Path + "/", Typeflag: tar.TypeDir, Mode: cmp.Or(f.Mode, 0o755), Format: tar.FormatPAX}); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		data := f.Data
+		if f.Src != "" {
+			var err error
+			if data, err = os.ReadFile(f.Src); err != nil {
+				return nil, err
+			}
 		}
 		if err := tw.WriteHeader(&tar.Header{Name: f.Path, Mode: f.Mode, Size: int64(len(data)), Format: tar.FormatPAX}); err != nil {
 			return nil, err

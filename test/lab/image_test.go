@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -92,6 +93,76 @@ func TestWriteDockerArchive(t *testing.T) {
 		if names[i] != want[i] {
 			t.Fatalf("layer holds %v, want %v", names, want)
 		}
+	}
+}
+
+// TestImageLayerEntries checks the layer's kinds of entry: a link, a file made from bytes, an empty
+// directory with its mode, a set-uid file, and of two files at one path the first, which is how programs
+// copied from the host share their libraries.
+func TestImageLayerEntries(t *testing.T) {
+	dir := t.TempDir()
+	first, second := filepath.Join(dir, "first"), filepath.Join(dir, "second")
+	for f, data := range map[string]string{first: "first", second: "second"} {
+		if err := os.WriteFile(f, []byte(data), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	img := Image{Name: "berthlab.local/test:1", User: "1234", Cmd: []string{"sh"}, Files: []ImageFile{
+		{Path: "bin/sh", Src: first, Mode: 0o755},
+		{Path: "bin/sh", Link: "busybox"},
+		{Path: "bin/ls", Link: "busybox"},
+		{Path: "etc/passwd", Data: []byte("root:x:0:0::/:/bin/sh\n"), Mode: 0o644},
+		{Path: "tmp", Mode: 0o1777},
+		{Path: "usr/bin/nnp", Src: second, Mode: 0o4755},
+	}}
+	layer, err := img.layer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	type entry struct {
+		kind byte
+		mode int64
+		body string
+	}
+	got := map[string]entry{}
+	lr := tar.NewReader(bytes.NewReader(layer))
+	for {
+		h, err := lr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, dup := got[h.Name]; dup {
+			t.Errorf("%s is in the layer twice", h.Name)
+		}
+		body, _ := io.ReadAll(lr)
+		if h.Typeflag == tar.TypeSymlink {
+			body = []byte(h.Linkname)
+		}
+		got[h.Name] = entry{h.Typeflag, h.Mode, string(body)}
+	}
+	want := map[string]entry{
+		"bin/":        {tar.TypeDir, 0o755, ""},
+		"bin/sh":      {tar.TypeReg, 0o755, "first"},
+		"bin/ls":      {tar.TypeSymlink, 0o777, "busybox"},
+		"etc/":        {tar.TypeDir, 0o755, ""},
+		"etc/passwd":  {tar.TypeReg, 0o644, "root:x:0:0::/:/bin/sh\n"},
+		"tmp/":        {tar.TypeDir, 0o1777, ""},
+		"usr/":        {tar.TypeDir, 0o755, ""},
+		"usr/bin/":    {tar.TypeDir, 0o755, ""},
+		"usr/bin/nnp": {tar.TypeReg, 0o4755, "second"},
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("layer entries\n%v\nwant\n%v", got, want)
+	}
+	var a bytes.Buffer
+	if err := img.WriteDockerArchive(&a); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Contains(a.Bytes(), []byte(`"User":"1234"`)) || !bytes.Contains(a.Bytes(), []byte(`"Cmd":["sh"]`)) {
+		t.Error("the image configuration lacks its user or its command")
 	}
 }
 

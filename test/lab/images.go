@@ -50,7 +50,11 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	if err != nil {
 		return imageSet{}, err
 	}
-	iptables, err := hostProgram("/usr/sbin/iptables", "/usr/lib/x86_64-linux-gnu/xtables/*.so", iptablesCommands)
+	var commands []string
+	for _, c := range iptablesCommands {
+		commands = append(commands, "usr/sbin/"+c)
+	}
+	iptables, err := hostProgram("/usr/sbin/iptables", commands, "/usr/lib/x86_64-linux-gnu/xtables/*.so")
 	if err != nil {
 		return imageSet{}, fmt.Errorf("kube-proxy's iptables: %w", err)
 	}
@@ -99,25 +103,27 @@ func buildProgram(ctx context.Context, name, dir string) (string, error) {
 	return out, nil
 }
 
-// hostProgram is a dynamically linked program of the host, under each of names in usr/sbin, with the
-// plug-ins it opens at run time (the files pluginGlob matches, as iptables' xtables extensions) and the
-// shared libraries both load, at the paths where the host's loader finds them.
-func hostProgram(program, pluginGlob string, names []string) ([]ImageFile, error) {
+// hostProgram is a dynamically linked program of the host, at each of paths in the image, with the
+// plug-ins it opens at run time (the files pluginGlob matches, as iptables' xtables extensions; "" for none)
+// and the shared libraries both load, at the paths where the host's loader finds them.
+func hostProgram(program string, paths []string, pluginGlob string) ([]ImageFile, error) {
 	real, err := filepath.EvalSymlinks(program)
 	if err != nil {
 		return nil, err
 	}
 	var files []ImageFile
-	for _, n := range names {
-		files = append(files, ImageFile{Path: "usr/sbin/" + n, Src: real, Mode: 0o755})
+	for _, p := range paths {
+		files = append(files, ImageFile{Path: p, Src: real, Mode: 0o755})
 	}
 	objects := []string{real}
-	plugins, err := filepath.Glob(pluginGlob)
-	if err != nil {
-		return nil, err
-	}
-	if len(plugins) == 0 {
-		return nil, fmt.Errorf("no plug-ins of %s match %s", program, pluginGlob)
+	var plugins []string
+	if pluginGlob != "" {
+		if plugins, err = filepath.Glob(pluginGlob); err != nil {
+			return nil, err
+		}
+		if len(plugins) == 0 {
+			return nil, fmt.Errorf("no plug-ins of %s match %s", program, pluginGlob)
+		}
 	}
 	for _, p := range plugins {
 		files = append(files, ImageFile{Path: strings.TrimPrefix(p, "/"), Src: p, Mode: 0o644})

@@ -583,8 +583,9 @@ state = "/run/containerd"
   "cniVersion": "1.0.0",
   "name": "berthlab",
   "plugins": [
-    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
      "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}},
     {"type": "loopback"}
   ]
 }

@@ -9,10 +9,13 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 
@@ -38,6 +41,11 @@ const usage = `berth-lab: a local attested Berth cluster.
         (or from a lab that is gone) is no error
   berth-lab wait --dir DIR --kubeconfig FILE [--timeout 10m]
         wait until every machine of the lab is Ready, then print them
+
+  berth-lab e2e-images --dir DIR --e2e-bin DIR --k8s-source DIR
+        make the images Kubernetes' e2e suite (e2e.test in --e2e-bin, scripts/build-e2e.sh) lists, from the
+        Kubernetes module's test images in --k8s-source and Debian's programs, and load them into every node;
+        writes DIR/e2e-images/repo-list.yaml for KUBE_TEST_REPO_LIST and lists the images it cannot make
 
   berth-lab metadata --document FILE --listen ADDR
         the lab's instance-metadata service (started by host and up)
@@ -77,6 +85,8 @@ func main() {
 	document := fs.String("document", "", "metadata: the instance document")
 	listen := fs.String("listen", "", "metadata, gce-metadata: listen address")
 	gceConfig := fs.String("config", "", "gce-metadata: the instance, as JSON")
+	e2eBin := fs.String("e2e-bin", "", "e2e-images: the directory of e2e.test, agnhost and nnp")
+	k8sSource := fs.String("k8s-source", "", "e2e-images: the k8s.io/kubernetes module's directory")
 	fs.Parse(args)
 	if fs.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "berth-lab %s: unexpected argument %q\n", command, fs.Arg(0))
@@ -99,6 +109,8 @@ func main() {
 		err = nodeDown(ctx, *dir, *name)
 	case "wait":
 		err = wait(ctx, *dir, *kubeconfig, *timeout)
+	case "e2e-images":
+		err = e2eImages(ctx, *dir, *e2eBin, *k8sSource)
 	case "metadata":
 		err = serveMetadata(ctx, *document, *listen)
 	case "gce-metadata":
@@ -243,4 +255,27 @@ func serveGCEMetadata(ctx context.Context, config, listen string) error {
 		return err
 	}
 	return lab.ServeGCEMetadata(ctx, lis, config)
+}
+
+func e2eImages(ctx context.Context, dir, bin, k8sSource string) error {
+	if bin == "" || k8sSource == "" {
+		return errors.New("--e2e-bin and --k8s-source are required (scripts/conformance.sh passes both)")
+	}
+	l, err := lab.Open(dir)
+	if err != nil {
+		return err
+	}
+	l.Progress = os.Stdout
+	images, err := lab.BuildE2EImages(ctx, bin, k8sSource, filepath.Join(dir, "e2e-images"))
+	if err != nil {
+		return err
+	}
+	if err := l.LoadImages(ctx, images.Tars); err != nil {
+		return err
+	}
+	fmt.Printf("%d images of the e2e suite made and loaded into %d nodes\n", len(images.Tars), len(l.Nodes))
+	for _, ref := range slices.Sorted(maps.Keys(images.Missing)) {
+		fmt.Printf("not made: %s (%s)\n", ref, images.Missing[ref])
+	}
+	return nil
 }
