@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	kubeproxyv1alpha1 "k8s.io/kube-proxy/config/v1alpha1"
 	kubeletv1beta1 "k8s.io/kubelet/config/v1beta1"
 	bootstraptokenv1 "k8s.io/kubernetes/cmd/kubeadm/app/apis/bootstraptoken/v1"
@@ -465,6 +466,27 @@ func TestJoinConfigRejects(t *testing.T) {
 	}
 }
 
+// configDocument is the document of kind want.Kind in the multi-document configuration b, which must be of
+// want's group and version.
+func configDocument(t *testing.T, b []byte, want schema.GroupVersionKind) []byte {
+	t.Helper()
+	gvkmap, err := kubeadmutil.SplitConfigDocuments(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for gvk, doc := range gvkmap {
+		if gvk.Kind != want.Kind {
+			continue
+		}
+		if gvk != want {
+			t.Errorf("%s has group version %s, want %s", want.Kind, gvk.GroupVersion(), want.GroupVersion())
+		}
+		return doc
+	}
+	t.Fatalf("no %s document:\n%s", want.Kind, b)
+	return nil
+}
+
 func TestInitConfigKubelet(t *testing.T) {
 	p := fullInitParams()
 	p.Kubelet = KubeletSettings{CgroupDriver: "cgroupfs", AllowCgroupV1: true}
@@ -472,22 +494,7 @@ func TestInitConfigKubelet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gvkmap, err := kubeadmutil.SplitConfigDocuments(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var kubelet []byte
-	for gvk, doc := range gvkmap {
-		if gvk.Kind == "KubeletConfiguration" {
-			if gvk.GroupVersion() != kubeletv1beta1.SchemeGroupVersion {
-				t.Errorf("KubeletConfiguration has group version %s", gvk.GroupVersion())
-			}
-			kubelet = doc
-		}
-	}
-	if kubelet == nil {
-		t.Fatalf("no KubeletConfiguration document:\n%s", b)
-	}
+	kubelet := configDocument(t, b, kubeletv1beta1.SchemeGroupVersion.WithKind("KubeletConfiguration"))
 	var got kubeletv1beta1.KubeletConfiguration
 	decodeStrict(t, kubelet, &got)
 	if got.CgroupDriver != "cgroupfs" || got.FailCgroupV1 == nil || *got.FailCgroupV1 {
@@ -517,22 +524,7 @@ func TestInitConfigKubeProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gvkmap, err := kubeadmutil.SplitConfigDocuments(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var proxy []byte
-	for gvk, doc := range gvkmap {
-		if gvk.Kind == "KubeProxyConfiguration" {
-			if gvk.GroupVersion() != kubeproxyv1alpha1.SchemeGroupVersion {
-				t.Errorf("KubeProxyConfiguration has group version %s", gvk.GroupVersion())
-			}
-			proxy = doc
-		}
-	}
-	if proxy == nil {
-		t.Fatalf("no KubeProxyConfiguration document:\n%s", b)
-	}
+	proxy := configDocument(t, b, kubeproxyv1alpha1.SchemeGroupVersion.WithKind("KubeProxyConfiguration"))
 	var got kubeproxyv1alpha1.KubeProxyConfiguration
 	decodeStrict(t, proxy, &got)
 	if got.Conntrack.MaxPerCore == nil || *got.Conntrack.MaxPerCore != 0 {

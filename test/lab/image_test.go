@@ -36,17 +36,8 @@ func TestWriteDockerArchive(t *testing.T) {
 		t.Error("the same files gave two different archives")
 	}
 	entries := map[string][]byte{}
-	tr := tar.NewReader(&a)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		data, _ := io.ReadAll(tr)
-		entries[h.Name] = data
+	for _, e := range readTar(t, a.Bytes()) {
+		entries[e.Name] = e.body
 	}
 	var manifest []struct {
 		Config   string
@@ -74,16 +65,8 @@ func TestWriteDockerArchive(t *testing.T) {
 		t.Errorf("diff_ids %v do not name the layer", config.RootFS.DiffIDs)
 	}
 	var names []string
-	lr := tar.NewReader(bytes.NewReader(layer))
-	for {
-		h, err := lr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		names = append(names, h.Name)
+	for _, e := range readTar(t, layer) {
+		names = append(names, e.Name)
 	}
 	want := []string{"usr/", "usr/local/", "usr/local/bin/", "usr/local/bin/etcd"}
 	if len(names) != len(want) {
@@ -93,6 +76,32 @@ func TestWriteDockerArchive(t *testing.T) {
 		if names[i] != want[i] {
 			t.Fatalf("layer holds %v, want %v", names, want)
 		}
+	}
+}
+
+type tarEntry struct {
+	*tar.Header
+	body []byte
+}
+
+// readTar is every entry of the tar archive data, in order.
+func readTar(t *testing.T, data []byte) []tarEntry {
+	t.Helper()
+	var out []tarEntry
+	tr := tar.NewReader(bytes.NewReader(data))
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return out
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, err := io.ReadAll(tr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, tarEntry{h, body})
 	}
 }
 
@@ -125,23 +134,15 @@ func TestImageLayerEntries(t *testing.T) {
 		body string
 	}
 	got := map[string]entry{}
-	lr := tar.NewReader(bytes.NewReader(layer))
-	for {
-		h, err := lr.Next()
-		if err == io.EOF {
-			break
+	for _, e := range readTar(t, layer) {
+		if _, dup := got[e.Name]; dup {
+			t.Errorf("%s is in the layer twice", e.Name)
 		}
-		if err != nil {
-			t.Fatal(err)
+		body := string(e.body)
+		if e.Typeflag == tar.TypeSymlink {
+			body = e.Linkname
 		}
-		if _, dup := got[h.Name]; dup {
-			t.Errorf("%s is in the layer twice", h.Name)
-		}
-		body, _ := io.ReadAll(lr)
-		if h.Typeflag == tar.TypeSymlink {
-			body = []byte(h.Linkname)
-		}
-		got[h.Name] = entry{h.Typeflag, h.Mode, string(body)}
+		got[e.Name] = entry{e.Typeflag, e.Mode, body}
 	}
 	want := map[string]entry{
 		"bin/":        {tar.TypeDir, 0o755, ""},

@@ -24,12 +24,12 @@ import (
 // running cluster, its time from agent start to Node Ready reported by stage: see reportJoinFigure), runs a
 // pod, reaches a Service by its name from a worker before and after that worker reboots (kube-proxy,
 // CoreDNS and the pod network between nodes, issue 26), and takes the lab down again, checking on the way
-// what issue 3 asks: real kubeadm init and join, the
-// workers' kubelet certificates are the join service's, the second control plane serves, a reboot unlocks
-// the disk by a rejoin ticket without a new join (its TPM measured again), another process finds the lab
-// Ready from its directory (berth-lab wait), and nothing is left on the host afterwards. Every node
-// attests against the image manifest's predicted PCRs. Root on a worker cannot get another node's identity
-// through the API, while a node's own renewal is still signed (issue 15).
+// what issue 3 asks: real kubeadm init and join, the workers' kubelet certificates are the join service's,
+// the second control plane serves, a reboot unlocks the disk by a rejoin ticket without a new join (its TPM
+// measured again), another process finds the lab Ready from its directory (berth-lab wait), and nothing is
+// left on the host afterwards. Every node attests against the image manifest's predicted PCRs. Root on a
+// worker cannot get another node's identity through the API, while a node's own renewal is still signed
+// (issue 15).
 func TestLab(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
