@@ -177,8 +177,8 @@ func TestAccLab(t *testing.T) {
 	if kubeBin == "" {
 		t.Fatal("BERTH_KUBE_BIN is not set: make testacc builds Kubernetes once (scripts/build-k8s.sh) and sets it")
 	}
-	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
-	labBin := repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", repotest.Build{})
+	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
+	labBin := repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", "")
 
 	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)

@@ -2,6 +2,7 @@ package provider
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -9,6 +10,8 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+
+	"github.com/berthlabs/berth/test/gobuild"
 )
 
 var built struct {
@@ -22,14 +25,8 @@ func providerDir(t *testing.T) string {
 	t.Helper()
 	built.once.Do(func() {
 		dir := filepath.Join(testDir, "bin")
-		goTool, err := exec.LookPath("go")
-		if err != nil {
-			built.err = fmt.Errorf("go not found on PATH: %w", err)
-			return
-		}
-		build := exec.Command(goTool, "build", "-o", filepath.Join(dir, "terraform-provider-berth"), "github.com/berthlabs/berth")
-		if out, err := build.CombinedOutput(); err != nil {
-			built.err = fmt.Errorf("building the provider: %w\n%s", err, out)
+		if err := gobuild.Build(context.Background(), "", "github.com/berthlabs/berth", filepath.Join(dir, "terraform-provider-berth"), ""); err != nil {
+			built.err = fmt.Errorf("building the provider: %w", err)
 			return
 		}
 		built.dir = dir

@@ -90,7 +90,8 @@ export TZ=UTC
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# build PACKAGE OUTPUT LDFLAGS GOOS GOARCH: the configurations' build (CGO_ENABLED=0, -trimpath).
+# build PACKAGE OUTPUT LDFLAGS GOOS GOARCH: the configurations' build (CGO_ENABLED=0, -trimpath: what make build
+# and the tests' test/gobuild use too, so the release test finds this platform's packages compiled).
 build() {
 	local pkg=$1 out=$2 ldflags=$3
 	CGO_ENABLED=0 GOOS=$4 GOARCH=$5 go build -trimpath -ldflags "$ldflags" -o "$out" "$pkg"

@@ -7,6 +7,7 @@ package repotest
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"os"
 	"os/exec"
@@ -14,6 +15,8 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+
+	"github.com/berthlabs/berth/test/gobuild"
 )
 
 // KubernetesVersion is the Kubernetes release that scripts/build-k8s.sh builds (test/k8stools/go.mod pins
@@ -95,34 +98,15 @@ func BinDir(t testing.TB, env, script, needs string) string {
 	return Script(t, script, needs)
 }
 
-// Build says how BuildBinary builds.
-type Build struct {
-	// Tags are the build tags, such as "failpoint".
-	Tags string
-	// Static builds without cgo, trimmed and stripped: a binary that runs in a guest image without the
-	// host's libc.
-	Static bool
-}
-
 // BuildBinary builds the repository's package pkg (a path from the module root, such as
-// "./nodeagent/cmd/berth-agent") into a directory of the test's and returns the binary's path.
-func BuildBinary(t testing.TB, pkg string, b Build) string {
+// "./nodeagent/cmd/berth-agent") with the build tags tags ("" for none) into a directory of the test's and
+// returns the binary's path. It builds as a release does (test/gobuild), so the build shares its compiled
+// packages with every other test's.
+func BuildBinary(t testing.TB, pkg, tags string) string {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), filepath.Base(pkg))
-	args := []string{"build", "-o", out}
-	if b.Tags != "" {
-		args = append(args, "-tags", b.Tags)
-	}
-	if b.Static {
-		args = append(args, "-trimpath", "-ldflags=-s -w")
-	}
-	cmd := exec.Command("go", append(args, pkg)...)
-	cmd.Dir = Root(t)
-	if b.Static {
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	}
-	if msg, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build %s: %v\n%s", pkg, err, msg)
+	if err := gobuild.Build(context.Background(), Root(t), pkg, out, tags); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }

@@ -7,9 +7,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
+
+	"github.com/berthlabs/berth/test/gobuild"
 )
 
 // Image names kubeadm v1.36.3 asks for (`kubeadm config images list`; TestKubeadmImages), and the lab's
@@ -91,14 +92,13 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	return set, nil
 }
 
-// buildProgram builds the lab's program in the directory name beside this file, statically, into dir.
+// buildProgram builds the lab's program name (a directory beside this file) into dir. It builds by import
+// path, so the process must run inside the Berth repository, as make and the tests run it: berth-lab is
+// built with -trimpath (test/gobuild), so it does not know where its source lies.
 func buildProgram(ctx context.Context, name, dir string) (string, error) {
 	out := filepath.Join(dir, name)
-	_, file, _, _ := runtime.Caller(0)
-	// -C: the command may run outside the module (from Terraform's working directory, say).
-	if _, err := runEnv(ctx, []string{"CGO_ENABLED=0"}, "go", "build", "-C", filepath.Join(filepath.Dir(file), name),
-		"-trimpath", "-ldflags=-s -w", "-o", out, "."); err != nil {
-		return "", fmt.Errorf("building %s: %w", name, err)
+	if err := gobuild.Build(ctx, "", "github.com/berthlabs/berth/test/lab/"+name, out, ""); err != nil {
+		return "", fmt.Errorf("building %s (from within the Berth repository): %w", name, err)
 	}
 	return out, nil
 }

@@ -277,7 +277,7 @@ func labTest(t *testing.T, up func(c Config) error) Config {
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
 	kubeBin = repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
-	agent = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
-	labBin = repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", repotest.Build{})
+	agent = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
+	labBin = repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", "")
 	return kubeBin, agent, labBin
 }

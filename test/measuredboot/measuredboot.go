@@ -19,6 +19,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/berthlabs/berth/test/gobuild"
 )
 
 // Firmware is OVMF from Debian's ovmf package: code and the template of its variable store.
@@ -157,10 +159,8 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 // and returns its path.
 func BuildInit(dir string) (string, error) {
 	init := filepath.Join(dir, "pcrinit")
-	build := exec.Command("go", "build", "-trimpath", "-o", init, "github.com/berthlabs/berth/test/measuredboot/pcrinit")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("building pcrinit: %w\n%s", err, out)
+	if err := gobuild.Build(context.Background(), "", "github.com/berthlabs/berth/test/measuredboot/pcrinit", init, ""); err != nil {
+		return "", fmt.Errorf("building pcrinit: %w", err)
 	}
 	return init, nil
 }

@@ -25,7 +25,7 @@ func Setup(t *testing.T) string {
 	if _, err := exec.LookPath("packer"); err != nil {
 		t.Fatal("packer not found: make testacc-packer builds it (make packer-tools) and sets BERTH_PACKER_BIN")
 	}
-	bin := repotest.BuildBinary(t, "./packer/cmd/packer-plugin-berth", repotest.Build{})
+	bin := repotest.BuildBinary(t, "./packer/cmd/packer-plugin-berth", "")
 	dir := t.TempDir()
 	script := filepath.Join(repotest.Root(t), "scripts", "install-packer-plugin.sh")
 	out, err := exec.Command(script, bin, dir).CombinedOutput()

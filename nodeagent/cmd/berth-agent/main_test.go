@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/luks"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -20,11 +21,7 @@ import (
 // of the process, as a script or systemd sees them.
 func buildAgent(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "berth-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
+	return repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
 }
 
 type result struct {

@@ -76,7 +76,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	packertest.Setup(t)
 	parts := ukitest.BootParts(t)
 	root := ukitest.GuestRoot(t)
-	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{Static: true})
+	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
 	if out, err := packer(t, repo, "init", "node.pkr.hcl"); err != nil {
 		t.Fatalf("packer init: %v\n%s", err, out)
 	}

@@ -487,5 +487,5 @@ func (h *Host) crashAndReboot(t *testing.T, name, addr, point string) {
 
 func buildFailpointAgent(t *testing.T) string {
 	t.Helper()
-	return repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{Tags: "failpoint"})
+	return repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "failpoint")
 }

@@ -132,7 +132,7 @@ func newHost(t testing.TB, tpms int, onEC2 bool) *Host {
 	h.InitSecret = []byte(secret)
 	h.MetricsAddr = fmt.Sprintf("127.0.0.1:%d", kubetest.FreePort(t))
 	h.Cluster = clustertest.New(t, clustertest.Options{Name: "storm", JoinPort: port, KubernetesCA: h.API.CA, InitSecretHash: hash})
-	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", repotest.Build{})
+	h.agentBin = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
 	if onEC2 {
 		h.EC2 = ec2test.New(t)
 		h.instances = map[string]ec2test.Instance{}
