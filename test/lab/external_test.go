@@ -51,7 +51,7 @@ func TestExternalControlPlane(t *testing.T) {
 	defer cancel()
 	var l *Lab
 	c := labTest(t, func(c Config) (err error) {
-		l, err = StartHost(ctx, HostConfig{Dir: c.Dir, KubeBin: c.KubeBin, AgentBinary: c.AgentBinary, LabBinary: c.LabBinary, Progress: c.Progress})
+		l, err = StartHost(ctx, c.HostConfig)
 		return err
 	})
 	agent := c.AgentBinary

@@ -2,7 +2,10 @@ package lab
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"os"
 	"os/exec"
@@ -29,13 +32,42 @@ const (
 type imageSet struct {
 	Pause string `json:"pause"`
 	// Every node loads these; control-plane nodes the ControlPlane images too.
-	Node         []string `json:"node"`
-	ControlPlane []string `json:"controlPlane"`
+	Node         []imageArchive `json:"node"`
+	ControlPlane []imageArchive `json:"controlPlane"`
+}
+
+// imageArchive is an image's docker-archive tar.
+type imageArchive struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
 }
 
 // iptablesCommands are the names kube-proxy runs; the host's iptables is one program that acts on the
 // name it is started as.
 var iptablesCommands = []string{"iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"}
+
+// imageSetFile, in an image directory, is the imageSet that buildImages made there: written last, so a
+// directory with it is complete.
+const imageSetFile = "images.json"
+
+// imagesIn returns the images in dir, made there first from kubeBin's binaries unless an earlier lab did.
+func imagesIn(ctx context.Context, kubeBin, dir string) (imageSet, error) {
+	var set imageSet
+	data, err := os.ReadFile(filepath.Join(dir, imageSetFile))
+	if err == nil {
+		if err := json.Unmarshal(data, &set); err != nil {
+			return imageSet{}, fmt.Errorf("reading %s: %w", filepath.Join(dir, imageSetFile), err)
+		}
+		return set, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return imageSet{}, err
+	}
+	if set, err = buildImages(ctx, kubeBin, dir); err != nil {
+		return imageSet{}, err
+	}
+	return set, writeJSON(filepath.Join(dir, imageSetFile), set)
+}
 
 // buildImages makes the control-plane, kube-proxy and CoreDNS images from the built binaries, and the pause
 // and workload images from the lab's own programs, as docker-archive tars.
@@ -63,33 +95,39 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	bin := func(name string) ImageFile {
 		return ImageFile{Path: "usr/local/bin/" + name, Src: filepath.Join(kubeBin, name), Mode: 0o755}
 	}
-	images := []Image{
+	nodeImages := []Image{
 		{Name: pauseImage, Files: []ImageFile{{Path: "pause", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/pause"}},
 		{Name: WorkloadImage, Files: []ImageFile{{Path: "sleeper", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/sleeper"}},
 		{Name: ProbeImage, Files: []ImageFile{{Path: "probe", Src: probeBin, Mode: 0o755}}, Entrypoint: []string{"/probe"}},
 		{Name: kubeProxyImage, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}},
 		// CoreDNS's Deployment runs the image's entrypoint with -conf.
 		{Name: corednsImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
-		{Name: etcdImage, Files: []ImageFile{bin("etcd")}, Env: []string{path}},
 	}
+	controlPlaneImages := []Image{{Name: etcdImage, Files: []ImageFile{bin("etcd")}, Env: []string{path}}}
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
-		images = append(images, Image{Name: "registry.k8s.io/" + c + ":" + KubernetesVersion, Files: []ImageFile{bin(c)}, Env: []string{path}})
+		controlPlaneImages = append(controlPlaneImages, Image{Name: "registry.k8s.io/" + c + ":" + KubernetesVersion, Files: []ImageFile{bin(c)}, Env: []string{path}})
 	}
 	set := imageSet{Pause: pauseImage}
-	for _, img := range images {
-		tarPath, err := writeImage(img, dir)
-		if err != nil {
-			return imageSet{}, err
-		}
-		switch img.Name {
-		case etcdImage, "registry.k8s.io/kube-apiserver:" + KubernetesVersion,
-			"registry.k8s.io/kube-controller-manager:" + KubernetesVersion, "registry.k8s.io/kube-scheduler:" + KubernetesVersion:
-			set.ControlPlane = append(set.ControlPlane, tarPath)
-		default:
-			set.Node = append(set.Node, tarPath)
-		}
+	if set.Node, err = writeImages(nodeImages, dir); err != nil {
+		return imageSet{}, err
+	}
+	if set.ControlPlane, err = writeImages(controlPlaneImages, dir); err != nil {
+		return imageSet{}, err
 	}
 	return set, nil
+}
+
+// writeImages writes each of images as a docker-archive tar in dir.
+func writeImages(images []Image, dir string) ([]imageArchive, error) {
+	var archives []imageArchive
+	for _, img := range images {
+		path, err := writeImage(img, dir)
+		if err != nil {
+			return nil, err
+		}
+		archives = append(archives, imageArchive{Name: img.Name, Path: path})
+	}
+	return archives, nil
 }
 
 // buildProgram builds the lab's program name (a directory beside this file) into dir. It builds by import

@@ -90,21 +90,19 @@ type HostConfig struct {
 	LabBinary   string // this lab's own command, which serves the metadata
 	// AWS, if set, makes every node an EC2 instance (see AWSConfig), GCP a Compute Engine instance (see
 	// GCPConfig); with neither, nodes read the lab's own metadata service.
-	AWS      *AWSConfig
-	GCP      *GCPConfig
+	AWS *AWSConfig
+	GCP *GCPConfig
+	// ImageDir holds the nodes' container images: the first lab that names it makes them there from
+	// KubeBin's binaries, and every later one loads them from there (a test process that brings up many
+	// labs makes them once; one directory serves one KubeBin). Empty: the lab's own directory.
+	ImageDir string
 	Progress io.Writer
 }
 
-// Config is a whole lab for Up: its host (fields as in HostConfig), its nodes, and the init of the first.
+// Config is a whole lab for Up: its host, its nodes, and the init of the first.
 type Config struct {
-	Dir         string
-	KubeBin     string
-	AgentBinary string
-	LabBinary   string
-	Nodes       []NodeSpec
-	AWS         *AWSConfig
-	GCP         *GCPConfig
-	Progress    io.Writer
+	HostConfig
+	Nodes []NodeSpec
 }
 
 // NodeSpec names a node and its role.
@@ -284,9 +282,13 @@ func (l *Lab) startHost(ctx context.Context) error {
 			return err
 		}
 	}
-	l.progress("images: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, test workloads")
+	imageDir := l.cfg.ImageDir
+	if imageDir == "" {
+		imageDir = l.path("images")
+	}
+	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, test workloads", imageDir)
 	var err error
-	if l.images, err = buildImages(ctx, l.cfg.KubeBin, l.path("images")); err != nil {
+	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, imageDir); err != nil {
 		return fmt.Errorf("images: %w", err)
 	}
 	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(ImageNames, ", "))
@@ -360,8 +362,7 @@ func Up(ctx context.Context, cfg Config) (*Lab, error) {
 	if len(cfg.Nodes) == 0 || cfg.Nodes[0].Role != metadata.RoleControlPlane {
 		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
 	}
-	l, err := StartHost(ctx, HostConfig{Dir: cfg.Dir, KubeBin: cfg.KubeBin, AgentBinary: cfg.AgentBinary,
-		LabBinary: cfg.LabBinary, AWS: cfg.AWS, GCP: cfg.GCP, Progress: cfg.Progress})
+	l, err := StartHost(ctx, cfg.HostConfig)
 	if err != nil {
 		return l, err
 	}

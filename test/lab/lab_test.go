@@ -12,12 +12,14 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/berthlabs/berth/internal/manifest"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/test/gobuild"
 )
 
 // TestLab brings up a real cluster (two control-plane nodes and a worker, then a second worker joining the
@@ -247,6 +249,31 @@ func checkServiceReached(ctx context.Context, t *testing.T, l *Lab, name, pod st
 	}
 }
 
+// shared is what the lab tests of one process make once and use all: berth-agent and berth-lab, and the
+// nodes' container images (HostConfig.ImageDir), which took each lab half a minute to make. TestMain
+// removes its directory.
+var shared struct {
+	dir   string
+	once  sync.Once
+	agent string
+	lab   string
+	err   error
+}
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "berth-lab-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	shared.dir = dir
+	code := m.Run()
+	if err := os.RemoveAll(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+	}
+	os.Exit(code)
+}
+
 // labTest is the frame of a lab test: root, this tree's tools built, up making the lab in c.Dir, and at the
 // end the lab taken down, nothing of it left on the host, and its progress in the test's log. It returns
 // the configuration up was given.
@@ -254,7 +281,8 @@ func labTest(t *testing.T, up func(c Config) error) Config {
 	t.Helper()
 	repotest.NeedsRoot(t, "the lab makes network and mount namespaces and cgroups")
 	var progress strings.Builder
-	c := Config{Dir: filepath.Join(t.TempDir(), "lab"), Progress: &progress}
+	c := Config{HostConfig: HostConfig{Dir: filepath.Join(t.TempDir(), "lab"), Progress: &progress,
+		ImageDir: filepath.Join(shared.dir, "images")}}
 	c.KubeBin, c.AgentBinary, c.LabBinary = buildTools(t)
 	err := up(c)
 	t.Cleanup(func() {
@@ -273,11 +301,23 @@ func labTest(t *testing.T, up func(c Config) error) Config {
 }
 
 // buildTools returns the Kubernetes binaries (BERTH_KUBE_BIN, or built and cached by scripts/build-k8s.sh)
-// and freshly built berth-agent and berth-lab binaries.
+// and the berth-agent and berth-lab binaries of this tree, built by the process's first lab test.
 func buildTools(t *testing.T) (kubeBin, agent, labBin string) {
 	t.Helper()
 	kubeBin = repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
-	agent = repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
-	labBin = repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", "")
-	return kubeBin, agent, labBin
+	shared.once.Do(func() {
+		root := repotest.Root(t)
+		agent, lab := filepath.Join(shared.dir, "berth-agent"), filepath.Join(shared.dir, "berth-lab")
+		if shared.err = gobuild.Build(context.Background(), root, "./nodeagent/cmd/berth-agent", agent, ""); shared.err != nil {
+			return
+		}
+		if shared.err = gobuild.Build(context.Background(), root, "./test/lab/cmd/berth-lab", lab, ""); shared.err != nil {
+			return
+		}
+		shared.agent, shared.lab = agent, lab
+	})
+	if shared.err != nil {
+		t.Fatal(shared.err)
+	}
+	return kubeBin, shared.agent, shared.lab
 }

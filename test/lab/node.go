@@ -262,10 +262,11 @@ func (n *Node) powerOn(ctx context.Context) error {
 	if n.Role == metadata.RoleControlPlane {
 		images = append(images, n.lab.images.ControlPlane...)
 	}
-	if err := n.startContainerd(ctx, images); err != nil {
+	loaded, err := n.startContainerd(ctx, images)
+	if err != nil {
 		return err
 	}
-	n.lab.progress("%s: containerd up, %d images loaded", n.Name, len(images))
+	n.lab.progress("%s: containerd up with its %d images, %d of them loaded now", n.Name, len(images), loaded)
 	if err := n.boot(); err != nil {
 		return err
 	}
@@ -393,25 +394,35 @@ func (n *Node) startTPM() error {
 	return measureImage(sock, n.Image)
 }
 
-// startContainerd starts the node's containerd and loads its images.
-func (n *Node) startContainerd(ctx context.Context, images []string) error {
+// startContainerd starts the node's containerd and loads those of its images that containerd does not hold
+// yet, as a node's disk keeps what it pulled across reboots; it returns how many it loaded. Loading them
+// again at every power-on took a control-plane node eight to sixteen seconds of each boot.
+func (n *Node) startContainerd(ctx context.Context, images []imageArchive) (int, error) {
 	if err := n.start("containerd", "containerd", "--config", n.path("containerd.toml")); err != nil {
-		return err
+		return 0, err
 	}
+	var held string
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		if _, err := n.exec(ctx, "ctr", "version"); err == nil {
+		var err error
+		if held, err = n.exec(ctx, "ctr", "-n", "k8s.io", "images", "list", "--quiet"); err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("containerd on %s did not answer (see %s)", n.Name, n.path("logs/containerd.log"))
+			return 0, fmt.Errorf("containerd on %s did not answer (see %s)", n.Name, n.path("logs/containerd.log"))
 		}
 	}
+	heldNames := strings.Fields(held)
+	loaded := 0
 	for _, img := range images {
-		if _, err := n.exec(ctx, "ctr", "-n", "k8s.io", "images", "import", img); err != nil {
-			return fmt.Errorf("loading %s on %s: %w", filepath.Base(img), n.Name, err)
+		if slices.Contains(heldNames, img.Name) {
+			continue
 		}
+		if _, err := n.exec(ctx, "ctr", "-n", "k8s.io", "images", "import", img.Path); err != nil {
+			return loaded, fmt.Errorf("loading %s on %s: %w", img.Name, n.Name, err)
+		}
+		loaded++
 	}
-	return nil
+	return loaded, nil
 }
 
 // The image's unit restarts a failed agent (Restart=on-failure, RestartSec=5s) unless it exited for its

@@ -134,8 +134,8 @@ func up(ctx context.Context, dir, kubeBin, agent string) error {
 		return errors.New("--kube-bin is required (make k8s-tools prints it)")
 	}
 	start := time.Now()
-	l, err := lab.Up(ctx, lab.Config{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: self,
-		Nodes: lab.DefaultNodes, Progress: os.Stdout})
+	l, err := lab.Up(ctx, lab.Config{HostConfig: lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent,
+		LabBinary: self, Progress: os.Stdout}, Nodes: lab.DefaultNodes})
 	if err != nil {
 		return fmt.Errorf("%w\n(the lab stays up for inspection: make lab-down removes it)", err)
 	}
