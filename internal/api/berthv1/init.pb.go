@@ -295,7 +295,10 @@ type InitRequest struct {
 	PodSubnet            string `protobuf:"bytes,11,opt,name=pod_subnet,json=podSubnet,proto3" json:"pod_subnet,omitempty"`
 	ServiceSubnet        string `protobuf:"bytes,12,opt,name=service_subnet,json=serviceSubnet,proto3" json:"service_subnet,omitempty"`
 	// Optional initial join policy (YAML).
-	JoinPolicy    []byte `protobuf:"bytes,13,opt,name=join_policy,json=joinPolicy,proto3" json:"join_policy,omitempty"`
+	JoinPolicy []byte `protobuf:"bytes,13,opt,name=join_policy,json=joinPolicy,proto3" json:"join_policy,omitempty"`
+	// The pod network the node installs once kubeadm init is done: "flannel", or "none" for one the
+	// operator brings. Empty, as providers before this field send it, means "none": what those clusters got.
+	PodNetwork    string `protobuf:"bytes,14,opt,name=pod_network,json=podNetwork,proto3" json:"pod_network,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -421,6 +424,13 @@ func (x *InitRequest) GetJoinPolicy() []byte {
 	return nil
 }
 
+func (x *InitRequest) GetPodNetwork() string {
+	if x != nil {
+		return x.PodNetwork
+	}
+	return ""
+}
+
 type InitProgress struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Line          string                 `protobuf:"bytes,1,opt,name=line,proto3" json:"line,omitempty"`
@@ -543,7 +553,7 @@ const file_internal_api_berthv1_init_proto_rawDesc = "" +
 	"\x06result\x18\x04 \x01(\v2\x14.berth.v1.InitResultH\x00R\x06resultB\x05\n" +
 	"\x03msg\"\x1f\n" +
 	"\tInitHello\x12\x12\n" +
-	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"\x8e\x04\n" +
+	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"\xaf\x04\n" +
 	"\vInitRequest\x12\x1f\n" +
 	"\vinit_secret\x18\x01 \x01(\fR\n" +
 	"initSecret\x12#\n" +
@@ -561,7 +571,9 @@ const file_internal_api_berthv1_init_proto_rawDesc = "" +
 	"pod_subnet\x18\v \x01(\tR\tpodSubnet\x12%\n" +
 	"\x0eservice_subnet\x18\f \x01(\tR\rserviceSubnet\x12\x1f\n" +
 	"\vjoin_policy\x18\r \x01(\fR\n" +
-	"joinPolicy\"\"\n" +
+	"joinPolicy\x12\x1f\n" +
+	"\vpod_network\x18\x0e \x01(\tR\n" +
+	"podNetwork\"\"\n" +
 	"\fInitProgress\x12\x12\n" +
 	"\x04line\x18\x01 \x01(\tR\x04line\"{\n" +
 	"\n" +

@@ -22,6 +22,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/failpoint"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
@@ -262,13 +263,13 @@ func (a *Agent) serveOnInitPort(register func(*grpc.Server), exchange, grace tim
 	return func() { rpc.StopGracefully(gs, grace) }, nil
 }
 
-// clusterRecorder publishes the cluster record right after kubeadm init, records this node's TPM as its
-// disk's owner, as the join service does for every node it keys, so that the node gets rejoin tickets from
-// the control-plane nodes that join after it, and removes kubeadm's auto-approval of bootstrap tokens' node
-// CSRs (joinservice.RemoveBootstrapAutoApproval) before the cluster is handed out. The API server answered
-// kubeadm's last phases a moment ago, so failures are retried only briefly: a node whose records cannot be
-// written fails its init rather than hand out a cluster Terraform could not recognize later, or be a node
-// that can never rejoin.
+// clusterRecorder writes into the new cluster right after kubeadm init: it publishes the cluster record,
+// records this node's TPM as its disk's owner, as the join service does for every node it keys, so that the
+// node gets rejoin tickets from the control-plane nodes that join after it, removes kubeadm's auto-approval
+// of bootstrap tokens' node CSRs (joinservice.RemoveBootstrapAutoApproval) before the cluster is handed out,
+// and installs the pod network. The API server answered kubeadm's last phases a moment ago, so failures are
+// retried only briefly: a node whose records cannot be written fails its init rather than hand out a cluster
+// Terraform could not recognize later, or be a node that can never rejoin.
 type clusterRecorder struct {
 	a        *Agent
 	log      *slog.Logger
@@ -277,24 +278,36 @@ type clusterRecorder struct {
 }
 
 func (r clusterRecorder) RecordCluster(ctx context.Context, info clusterinfo.Info) error {
-	kube, err := r.a.deps.KubeClient(filepath.Join(r.a.cfg.Paths.KubernetesDir, "admin.conf"), "")
-	if err != nil {
-		return fmt.Errorf("publishing the cluster record: %w", err)
-	}
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	disks := &joinservice.KubeDisks{Client: kube}
-	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error {
-		if err := disks.Claim(ctx, r.disk, r.ek, r.inst); err != nil {
+	return r.onCluster(ctx, "publishing the cluster record", func(ctx context.Context, kube kubernetes.Interface) error {
+		if err := (&joinservice.KubeDisks{Client: kube}).Claim(ctx, r.disk, r.ek, r.inst); err != nil {
 			return err
 		}
 		if _, err := joinservice.RemoveBootstrapAutoApproval(ctx, kube); err != nil {
 			return err
 		}
 		return clusterinfo.Publish(ctx, kube, info)
-	}, func(attempt int, err error, next time.Duration) {
-		r.log.Warn("publishing the cluster record failed; retrying", "attempt", attempt, "error", err, "retry_in", next)
 	})
+}
+
+// InstallPodNetwork installs the pod network the init request named, with this image's settings.
+func (r clusterRecorder) InstallPodNetwork(ctx context.Context, plugin, podSubnet string) error {
+	return r.onCluster(ctx, "installing the pod network", func(ctx context.Context, kube kubernetes.Interface) error {
+		return podnetwork.Install(ctx, kube, plugin, podSubnet, r.a.cfg.PodNetwork)
+	})
+}
+
+// onCluster runs op with the admin kubeconfig kubeadm wrote, retrying it for up to a minute.
+func (r clusterRecorder) onCluster(ctx context.Context, what string, op func(context.Context, kubernetes.Interface) error) error {
+	kube, err := r.a.deps.KubeClient(filepath.Join(r.a.cfg.Paths.KubernetesDir, "admin.conf"), "")
+	if err != nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	return backoff.Retry(ctx, backoff.Policy{}, nil, nil, func(ctx context.Context) error { return op(ctx, kube) },
+		func(attempt int, err error, next time.Duration) {
+			r.log.Warn(what+" failed; retrying", "attempt", attempt, "error", err, "retry_in", next)
+		})
 }
 
 func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger) *joinclient.Client {

@@ -13,6 +13,7 @@ import (
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
@@ -88,6 +89,10 @@ type Config struct {
 	Kubelet KubeletConfig `json:"kubelet,omitempty"`
 	// KubeProxy goes to the cluster's kube-proxy configuration when this node initializes it.
 	KubeProxy kubeadm.KubeProxySettings `json:"kubeProxy,omitempty"`
+	// PodNetwork says where this image's container runtime finds CNI plugins and which images run the pod
+	// network that this node installs when it initializes a cluster (berth_cluster's pod_network);
+	// upstream's images and /opt/cni/bin if unset.
+	PodNetwork podnetwork.Settings `json:"podNetwork,omitempty"`
 	// RetryMax caps the join client's backoff.
 	RetryMax configfile.Duration `json:"retryMax,omitempty"`
 	// LocalUnlock seals the disk key in this node's TPM, under the join policy's images for its role, so that

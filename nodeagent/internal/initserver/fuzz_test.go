@@ -249,6 +249,9 @@ func (beyondTheLock) SetKey(context.Context, []byte, []byte) error          { re
 func (beyondTheLock) Init(context.Context, string, func(string)) error      { return errBeyondTheLock }
 func (beyondTheLock) Join(context.Context, string, func(string)) error      { return errBeyondTheLock }
 func (beyondTheLock) RecordCluster(context.Context, clusterinfo.Info) error { return errBeyondTheLock }
+func (beyondTheLock) InstallPodNetwork(context.Context, string, string) error {
+	return errBeyondTheLock
+}
 
 // cheapHash is the argon2id PHC string of secret with the smallest parameters the server accepts, so that
 // fuzzing reaches past the secret check thousands of times a second.

@@ -1,6 +1,7 @@
 package initserver
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
@@ -41,7 +43,10 @@ type plan struct {
 	kubeadmConfig []byte
 	apiEndpoint   string
 	joinPolicy    []byte
-	secrets       *nodestate.ClusterSecrets
+	// podNetwork is the plugin installed after kubeadm init (podnetwork.None for none), for pods of
+	// podSubnet, the cluster's.
+	podNetwork, podSubnet string
+	secrets               *nodestate.ClusterSecrets
 }
 
 // checkedRequest is an init request that validateRequest accepted, with the CAs it parsed on the way.
@@ -85,6 +90,9 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, now time.
 		if _, err := policy.Parse(req.JoinPolicy); err != nil {
 			return nil, fmt.Errorf("initial join policy: %w", err)
 		}
+	}
+	if err := podnetwork.Check(req.PodNetwork); err != nil {
+		return nil, err
 	}
 	if len(inst.Addresses) == 0 {
 		return nil, fmt.Errorf("instance %q has no address to advertise", inst.Name)
@@ -137,6 +145,8 @@ func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base k
 		kubeadmConfig: config,
 		apiEndpoint:   endpoint,
 		joinPolicy:    req.JoinPolicy,
+		podNetwork:    cmp.Or(req.PodNetwork, podnetwork.None),
+		podSubnet:     cmp.Or(req.PodSubnet, kubeadm.DefaultPodSubnet),
 		secrets: &nodestate.ClusterSecrets{
 			MasterSecret:      req.MasterSecret,
 			Salt:              req.Salt,

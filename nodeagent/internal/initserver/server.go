@@ -46,6 +46,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -67,9 +68,11 @@ type Disk interface {
 	SetKey(ctx context.Context, initial, key []byte) error
 }
 
-// Recorder publishes the cluster's record (clusterinfo) with the admin kubeconfig kubeadm wrote.
+// Recorder writes what an init puts into the new cluster, with the admin kubeconfig kubeadm wrote: the
+// cluster's record (clusterinfo) and its pod network (podnetwork.Install).
 type Recorder interface {
 	RecordCluster(ctx context.Context, info clusterinfo.Info) error
+	InstallPodNetwork(ctx context.Context, plugin, podSubnet string) error
 }
 
 // Defaults of Config's bounds.
@@ -102,7 +105,8 @@ type Config struct {
 	// init secret's hash.
 	Self    *metadata.Self
 	Kubeadm kubeadm.Runner
-	// Recorder writes the cluster's record into the new cluster before the client gets its result.
+	// Recorder writes the cluster's record and pod network into the new cluster before the client gets its
+	// result.
 	Recorder Recorder
 	// KubeadmInit holds this machine's kubeadm settings (image repository, skipped phases, kubelet); the
 	// server fills in the node, the request's cluster settings and the certificates directory.
@@ -414,6 +418,13 @@ func (s *Server) initialize(ctx context.Context, log *slog.Logger, p *plan, prog
 		return nil, nil, err
 	}
 	log.Info("cluster record published", "configmap", clusterinfo.Namespace+"/"+clusterinfo.Name)
+	if p.podNetwork != podnetwork.None {
+		progress("installing the pod network: " + p.podNetwork)
+		if err := s.cfg.Recorder.InstallPodNetwork(ctx, p.podNetwork, p.podSubnet); err != nil {
+			return nil, nil, err
+		}
+		log.Info("pod network installed", "plugin", p.podNetwork, "pod_subnet", p.podSubnet)
+	}
 
 	if err := nodestate.WriteSecrets(paths.State, p.secrets); err != nil {
 		return nil, nil, err

@@ -32,6 +32,7 @@ import (
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
@@ -309,6 +310,10 @@ func TestInit(t *testing.T) {
 		if want := (clusterinfo.Info{ID: wantID, Name: req.ClusterName}); !slices.Equal(n.kubeadm.records, []clusterinfo.Info{want}) {
 			t.Errorf("cluster records published: %+v, want %+v", n.kubeadm.records, want)
 		}
+		// A request without a pod network is one from a provider before them: those clusters got none.
+		if len(n.kubeadm.networks) != 0 {
+			t.Errorf("pod networks installed: %q, want none", n.kubeadm.networks)
+		}
 		select {
 		case <-n.srv.Done():
 		default:
@@ -361,6 +366,36 @@ func TestInit(t *testing.T) {
 		}
 		if _, err := nodestate.Read(n.paths.State); !errors.Is(err, nodestate.ErrNoState) {
 			t.Errorf("membership recorded although the cluster record is missing: %v", err)
+		}
+	})
+
+	t.Run("the pod network", func(t *testing.T) {
+		n := f.newNode(t)
+		bad := f.request(t)
+		bad.PodNetwork = "calico"
+		var lines []string
+		_, err := initclient.Init(ctx, n.client(f, bad, &lines))
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), `pod network "calico" is not one Berth installs (flannel, none)`) {
+			t.Fatalf("error %v, want InvalidArgument naming the pod networks Berth installs", err)
+		}
+		n.checkUntouched(t)
+
+		n.kubeadm.networkFail = errors.New("the API server went away")
+		req := f.request(t)
+		req.PodNetwork = podnetwork.Flannel
+		lines = nil
+		_, err = initclient.Init(ctx, n.client(f, req, &lines))
+		if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "the API server went away") {
+			t.Fatalf("error %v, want Internal naming why the pod network failed", err)
+		}
+		if want := []string{"flannel 10.244.0.0/16"}; !slices.Equal(n.kubeadm.networks, want) {
+			t.Errorf("pod networks installed: %q, want %q (the request's plugin, kubeadm's default subnet)", n.kubeadm.networks, want)
+		}
+		if !slices.Contains(lines, "installing the pod network: flannel") {
+			t.Errorf("progress lines %q do not say that the pod network is being installed", lines)
+		}
+		if _, err := nodestate.Read(n.paths.State); !errors.Is(err, nodestate.ErrNoState) {
+			t.Errorf("membership recorded although the pod network is missing: %v", err)
 		}
 	})
 
@@ -721,12 +756,21 @@ type recorder struct {
 	// hold, if set, keeps init running after its first line until it is closed.
 	hold chan struct{}
 
-	// recordFail, if set, is what publishing the cluster record returns.
-	recordFail error
+	// recordFail, if set, is what publishing the cluster record returns; networkFail, installing the pod
+	// network.
+	recordFail, networkFail error
 
-	mu      sync.Mutex
-	runs    []run
-	records []clusterinfo.Info
+	mu       sync.Mutex
+	runs     []run
+	records  []clusterinfo.Info
+	networks []string
+}
+
+func (r *recorder) InstallPodNetwork(_ context.Context, plugin, podSubnet string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.networks = append(r.networks, plugin+" "+podSubnet)
+	return r.networkFail
 }
 
 func (r *recorder) RecordCluster(_ context.Context, info clusterinfo.Info) error {

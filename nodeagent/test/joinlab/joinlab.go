@@ -229,6 +229,9 @@ func (k *Kubeadm) Init(ctx context.Context, configPath string, progress func(str
 // RecordCluster accepts the cluster record an init publishes; the real record is written in the cluster lab.
 func (k *Kubeadm) RecordCluster(context.Context, clusterinfo.Info) error { return nil }
 
+// InstallPodNetwork accepts the pod network an init installs; the real one runs in the cluster lab.
+func (k *Kubeadm) InstallPodNetwork(context.Context, string, string) error { return nil }
+
 // Join records the configuration it was given.
 func (k *Kubeadm) Join(ctx context.Context, configPath string, progress func(string)) error {
 	data, err := os.ReadFile(configPath)
