@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/netip"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -41,6 +42,7 @@ import (
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/provider/internal/platform"
 )
@@ -72,6 +74,7 @@ type clusterModel struct {
 	ControlPlaneEndpoint types.String `tfsdk:"control_plane_endpoint"`
 	PodSubnet            types.String `tfsdk:"pod_subnet"`
 	ServiceSubnet        types.String `tfsdk:"service_subnet"`
+	PodNetwork           types.String `tfsdk:"pod_network"`
 	PCRs                 types.Map    `tfsdk:"pcrs"`
 	platform.Trust
 	KubernetesCACertificate types.String `tfsdk:"kubernetes_ca_certificate"`
@@ -116,7 +119,7 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"(`TF_LOG_PROVIDER=INFO`); so is kubeadm's output, as it arrives. A failed init shows kubeadm's last " +
 			"lines.\n\n" +
 			"What the node acted on when it ran `kubeadm init` (`endpoint`, `cluster_name`, `kubernetes_version`, " +
-			"`control_plane_endpoint`, `pod_subnet`, `service_subnet` and the two CA certificates) is fixed once " +
+			"`control_plane_endpoint`, `pod_subnet`, `service_subnet`, `pod_network` and the two CA certificates) is fixed once " +
 			"the cluster exists: a plan that changes one of them fails, naming it, rather than planning a " +
 			"replacement, which would drop the running cluster and its admin kubeconfig from state before a new " +
 			"init. Kubernetes upgrades are not supported yet. For a new cluster with other settings, " +
@@ -161,6 +164,21 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Optional: true,
 				MarkdownDescription: "CIDR of the service network (kubeadm `networking.serviceSubnet`), or an IPv4,IPv6 " +
 					"pair; kubeadm's `" + defaultServiceSubnet + "` if unset. Fixed once the cluster exists.",
+			},
+			"pod_network": schema.StringAttribute{
+				Optional: true,
+				Computed: true,
+				Default:  stringdefault.StaticString(podnetwork.Flannel),
+				MarkdownDescription: "The pod network the node installs right after `kubeadm init`, as kubeadm installs " +
+					"kube-proxy and CoreDNS: `flannel` (the default) or `none`. Until a pod network runs, no node is " +
+					"`Ready`.\n\n" +
+					"`flannel` is Flannel v0.27.4 with its VXLAN backend, from upstream's images unless the image's " +
+					"agent configuration names others (`podNetwork` in docs/agent.md): it needs nothing from the " +
+					"network below but UDP port " + strconv.Itoa(podnetwork.VXLANPort) + " between all nodes, so it " +
+					"works the same on bare metal, AWS and GCP. Pods' traffic between nodes is encapsulated, not " +
+					"encrypted, and NetworkPolicy is not enforced. `none` is for a plugin you bring (Cilium, Calico, " +
+					"a cloud's own), installed once the API server answers. docs/networking.md weighs the two. " +
+					"Fixed once the cluster exists; clusters made before this setting have `none`.",
 			},
 			"pcrs": schema.MapAttribute{
 				Required:    true,
@@ -243,6 +261,11 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 		}
 	}
 	checkSubnets(&m, &resp.Diagnostics)
+	if known(m.PodNetwork) && !slices.Contains(podnetwork.Plugins, m.PodNetwork.ValueString()) {
+		resp.Diagnostics.AddAttributeError(path.Root("pod_network"), "Unknown pod network",
+			fmt.Sprintf("pod_network is %q; it takes one of %s (%s: you install a pod network yourself).",
+				m.PodNetwork.ValueString(), strings.Join(podnetwork.Plugins, ", "), podnetwork.None))
+	}
 	if known(m.PCRs) && len(m.PCRs.Elements()) == 0 {
 		resp.Diagnostics.AddAttributeError(path.Root("pcrs"), "No measurements",
 			"An unmeasured node must not receive the cluster's secrets: give the image's PCR values.")
@@ -273,6 +296,16 @@ func (r *clusterResource) ModifyPlan(ctx context.Context, req resource.ModifyPla
 	if resp.Diagnostics.HasError() {
 		return
 	}
+	if state.PodNetwork.IsNull() {
+		state.PodNetwork = types.StringValue(podnetwork.None)
+		// Unset, the setting would plan the default, which the running cluster never got.
+		var configured types.String
+		resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("pod_network"), &configured)...)
+		if configured.IsNull() {
+			plan.PodNetwork = state.PodNetwork
+			resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("pod_network"), plan.PodNetwork)...)
+		}
+	}
 	refuseInitChanges(&state, &plan, &resp.Diagnostics)
 }
 
@@ -287,6 +320,7 @@ func initSettings(m *clusterModel) []initSetting {
 	return []initSetting{
 		{"endpoint", m.Endpoint}, {"cluster_name", m.ClusterName}, {"kubernetes_version", m.KubernetesVersion},
 		{"control_plane_endpoint", m.ControlPlaneEndpoint}, {"pod_subnet", m.PodSubnet}, {"service_subnet", m.ServiceSubnet},
+		{"pod_network", m.PodNetwork},
 		{"kubernetes_ca_certificate", m.KubernetesCACertificate}, {"join_ca_certificate", m.JoinCACertificate},
 	}
 }
@@ -642,6 +676,7 @@ func initRequest(plan, config *clusterModel, diags *diag.Diagnostics) *berthv1.I
 		ControlPlaneEndpoint:    plan.ControlPlaneEndpoint.ValueString(),
 		PodSubnet:               plan.PodSubnet.ValueString(),
 		ServiceSubnet:           plan.ServiceSubnet.ValueString(),
+		PodNetwork:              plan.PodNetwork.ValueString(),
 	}
 	// A key that does not belong to its certificate is caught here rather than by kubeadm on the node.
 	for _, ca := range []struct{ name, cert, key string }{
@@ -779,6 +814,9 @@ func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest
 	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
 	if resp.Diagnostics.HasError() {
 		return
+	}
+	if state.PodNetwork.IsNull() {
+		state.PodNetwork = types.StringValue(podnetwork.None)
 	}
 	if refuseInitChanges(&state, &plan, &resp.Diagnostics); resp.Diagnostics.HasError() {
 		return

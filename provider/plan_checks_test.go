@@ -279,6 +279,8 @@ func TestClusterPlanChecksVersionAndSubnets(t *testing.T) {
 				`default "10.96.0.0/12" (it is unset) overlap`)),
 			planOnly(good+`  control_plane_endpoint = "api.example.com"`, diagnostic("Error: Invalid endpoint", `control_plane_endpoint is "api.example.com", `+
 				`which is not host:port such as "api.example.com:6443": missing port in address.`)),
+			planOnly(good+`  pod_network = "calico"`, diagnostic("Error: Unknown pod network", `pod_network is "calico"; it takes `+
+				`one of flannel, none (none: you install a pod network yourself).`)),
 			// Every mistake in one plan.
 			planOnly(strings.Replace(version("1.36"), `"127.0.0.1:7451"`, `"127.0.0.1:0"`, 1)+`  pod_subnet = "10.244.0.0"`,
 				regexp.MustCompile(`(?s)`+phrase(`endpoint is "127.0.0.1:0"`).String()+`.*`+
@@ -321,7 +323,8 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 		Steps: []resource.TestStep{
 			func() resource.TestStep {
 				s := step(args)
-				s.Check = resource.TestCheckResourceAttrSet("berth_cluster.test", "kubeconfig")
+				s.Check = resource.ComposeTestCheckFunc(resource.TestCheckResourceAttrSet("berth_cluster.test", "kubeconfig"),
+					resource.TestCheckResourceAttr("berth_cluster.test", "pod_network", "flannel"))
 				return s
 			}(),
 			refused(strings.Replace(args, `"v1.36.3"`, `"v1.37.0"`, 1), diagnostic("Error: Kubernetes upgrades are not supported yet",
@@ -334,6 +337,8 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 					`pod_subnet only when it ran kubeadm init, so a change cannot reach the running cluster, and `+
 					`replacing the cluster for it would drop it, and its admin kubeconfig, from state before a new init `+
 					`failed. Leave pod_subnet unset, or list pod_subnet in lifecycle { ignore_changes }.`)),
+			refused(args+`  pod_network = "none"`, diagnostic("Error: Fixed once the cluster exists",
+				`was initialized with pod_network = "flannel"; the configuration now says "none".`)),
 			refused(strings.Replace(args, `cluster_name = "lab"`, `cluster_name = "prod"`, 1), diagnostic("Error: Fixed once the cluster exists",
 				`was initialized with cluster_name = "lab"; the configuration now says "prod".`)),
 			inPlace,
