@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes and etcd binaries the real-cluster lab runs, from the versions pinned in
-# test/k8stools/go.mod, and CoreDNS from test/corednstools/go.mod, into a cache keyed by those versions:
+# test/k8stools/go.mod, CoreDNS from test/corednstools/go.mod and flanneld from test/flanneltools/go.mod,
+# into a cache keyed by the Kubernetes and etcd versions:
 #   ${BERTH_CACHE:-$HOME/.cache/berth}/k8s/<kubernetes>-etcd-<etcd>/bin/
 # Binaries already there are kept unless --force is given or the build settings changed. Progress goes to
 # stderr; the only line on stdout is the bin directory, so callers can run bin=$(scripts/build-k8s.sh).
@@ -37,6 +38,8 @@ read -r k8s_version k8s_date <<<"$k8s_info"
 etcd_version=$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)
 coredns_module_dir="$module_dir/../corednstools"
 coredns_version=$(go -C "$coredns_module_dir" list -m -f '{{.Version}}' github.com/coredns/coredns)
+flannel_module_dir="$module_dir/../flanneltools"
+flannel_version=$(go -C "$flannel_module_dir" list -m -f '{{.Version}}' github.com/flannel-io/flannel)
 if [[ ! "$k8s_version" =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+$ ]]; then
 	log "k8s.io/kubernetes is pinned to $k8s_version, want a release version vX.Y.Z"
 	exit 1
@@ -66,7 +69,7 @@ ldflags+=" -X go.etcd.io/etcd/api/v3/version.GitSHA="
 tags="selinux,notest,grpcnotrace"
 
 # name -> package, in build order.
-names=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubeadm kubectl etcd coredns)
+names=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubeadm kubectl etcd coredns flanneld)
 declare -A pkgs=(
 	[kube-apiserver]=k8s.io/kubernetes/cmd/kube-apiserver
 	[kube-controller-manager]=k8s.io/kubernetes/cmd/kube-controller-manager
@@ -77,6 +80,7 @@ declare -A pkgs=(
 	[kubectl]=k8s.io/kubernetes/cmd/kubectl
 	[etcd]=go.etcd.io/etcd/server/v3
 	[coredns]=.
+	[flanneld]=github.com/flannel-io/flannel
 )
 
 # The stamp records everything that shapes the binaries. It is written before building, so the cached
@@ -92,10 +96,14 @@ if [ -f "$cache_dir/VERSION" ] && [ "$(cat "$cache_dir/VERSION")" != "$stamp" ];
 	rm -f "${names[@]/#/$bin_dir/}"
 fi
 printf '%s\n' "$stamp" >"$cache_dir/VERSION"
-# CoreDNS's version is not in the stamp, whose change rebuilds everything: a CoreDNS of another version is
-# rebuilt alone.
-if [ -x "$bin_dir/coredns" ] && ! "$bin_dir/coredns" -version 2>/dev/null | grep -qF "CoreDNS-${coredns_version#v}"; then
+# CoreDNS's and Flannel's versions are not in the stamp, whose change rebuilds everything: a CoreDNS or a
+# flanneld of another version is rebuilt alone. The output is captured, not piped into grep -q: under
+# pipefail, grep exiting at the first match fails the pipe whenever the program is still writing (SIGPIPE).
+if [ -x "$bin_dir/coredns" ] && [[ "$("$bin_dir/coredns" -version 2>/dev/null)" != *"CoreDNS-${coredns_version#v}"* ]]; then
 	rm -f "$bin_dir/coredns"
+fi
+if [ -x "$bin_dir/flanneld" ] && [ "$("$bin_dir/flanneld" --version 2>&1)" != "$flannel_version" ]; then
+	rm -f "$bin_dir/flanneld"
 fi
 
 total_start=$EPOCHREALTIME
@@ -111,9 +119,17 @@ for name in "${names[@]}"; do
 	start=$EPOCHREALTIME
 	# -p 2 keeps peak memory near 2 GB; kubelet builds without cgo too, so every binary is static.
 	# Build beside the target and rename, so an interrupted build never leaves a binary that looks done.
+	# CoreDNS and Flannel have modules of their own, so that their dependency graphs never move the
+	# versions Kubernetes builds with.
 	if [ "$name" = coredns ]; then
-		# Its own module, so that CoreDNS's dependency graph never moves the versions Kubernetes builds with.
 		CGO_ENABLED=0 go -C "$coredns_module_dir" build -trimpath -buildvcs=false -p 2 -ldflags "-s -w" \
+			-o "$out.tmp" "${pkgs[$name]}"
+	elif [ "$name" = flanneld ]; then
+		# Its UDP backend is C on amd64, and flanneld links every backend: cgo, linked statically as upstream's
+		# Makefile does, with Go's own resolver and user lookup so that the binary never loads glibc's NSS
+		# modules, which the image lacks. flanneld --version says "dev" unless the version is set.
+		CGO_ENABLED=1 go -C "$flannel_module_dir" build -trimpath -buildvcs=false -p 2 -tags netgo,osusergo \
+			-ldflags "-s -w -X github.com/flannel-io/flannel/pkg/version.Version=$flannel_version -extldflags -static" \
 			-o "$out.tmp" "${pkgs[$name]}"
 	else
 		CGO_ENABLED=0 go build -trimpath -buildvcs=false -p 2 -tags "$tags" -ldflags "$ldflags" \
@@ -131,6 +147,7 @@ for name in "${names[@]}"; do
 	kubectl) args=(version --client) want="Client Version: $k8s_version" ;;
 	etcd) args=(--version) want="etcd Version: ${etcd_version#v}" ;;
 	coredns) args=(-version) want="CoreDNS-${coredns_version#v}" ;;
+	flanneld) args=(--version) want="$flannel_version" ;;
 	*) args=(--version) want="Kubernetes $k8s_version" ;;
 	esac
 	if ! got=$("$bin_dir/$name" "${args[@]}" 2>&1); then

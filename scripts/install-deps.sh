@@ -6,7 +6,8 @@
 # (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
 # cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); mmdebstrap (the root file system of
 # the local node image, from Debian's archive), kmod (its kernel modules' index) and busybox-static (a shell
-# for chroot tests); gcc (cgo: CFSSL's sqlite driver) and sqlite3 (CFSSL's certificate database in the
+# for chroot tests); gcc with glibc's headers and static library (cgo: CFSSL's sqlite driver, and flanneld,
+# linked statically for the lab's Flannel image) and sqlite3 (CFSSL's certificate database in the
 # remote-signer tests); and Terraform (below).
 # Idempotent: it calls apt only for what is missing.
 set -euo pipefail
@@ -85,6 +86,7 @@ for cmd in "${!pkgs[@]}"; do
 	command -v "$cmd" >/dev/null || [ -x "/usr/sbin/$cmd" ] || [ -x "/sbin/$cmd" ] || missing+=("${pkgs[$cmd]}")
 done
 [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || missing+=(libc6-dev)
 [ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] || missing+=(ovmf)
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then

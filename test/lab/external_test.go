@@ -79,6 +79,13 @@ func TestExternalControlPlane(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// An external control plane brings its own pod network; this one runs no scheduler for a DaemonSet's
+	// pods, so its one node gets what a lone node needs to be Ready: a bridge of its own.
+	bridge := `{"cniVersion": "0.3.1", "name": "bridge", "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": true,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.30.0/24"}]]}}]}`
+	if err := os.WriteFile(node.path("fs/etc/cni/net.d/10-bridge.conflist"), []byte(bridge), 0o644); err != nil {
+		t.Fatal(err)
+	}
 
 	// By the time the service refuses the node, the agent has formatted its state disk.
 	svc.waitLog(t, "refused authentication")

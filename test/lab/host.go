@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -50,9 +51,9 @@ func setupBridge(ctx context.Context, hostCIDR string) error {
 	return nil
 }
 
-// setupNodeNetwork gives a node its network namespace, a veth to the bridge with addr, a default route
-// through the host and the routes to the other nodes' pods.
-func setupNodeNetwork(ctx context.Context, node, cidr, gateway string, podRoutes []string) error {
+// setupNodeNetwork gives a node its network namespace, a veth to the bridge with addr and a default route
+// through the host. The pod network between nodes is Flannel's, which the cluster runs.
+func setupNodeNetwork(ctx context.Context, node, cidr, gateway string) error {
 	ns, veth := netnsPrefix+node, vethPrefix+node
 	cmds := [][]string{
 		{"netns", "add", ns},
@@ -69,11 +70,6 @@ func setupNodeNetwork(ctx context.Context, node, cidr, gateway string, podRoutes
 			return err
 		}
 	}
-	batch := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
-	batch.Stdin = strings.NewReader(strings.Join(podRoutes, "\n") + "\n")
-	if out, err := batch.CombinedOutput(); err != nil {
-		return fmt.Errorf("routes to the other nodes' pods: %w: %s", err, out)
-	}
 	// kubeadm's preflight wants forwarding on, and the node's pods are routed through its namespace. Traffic
 	// between two pods of one node crosses its cni0 bridge: kube-proxy's rules see it (a Service's reply to a
 	// pod on the same node) only when the bridge hands it to iptables.
@@ -82,8 +78,8 @@ func setupNodeNetwork(ctx context.Context, node, cidr, gateway string, podRoutes
 }
 
 // resetNodeNetwork leaves a node's network namespace as a cold boot finds its network: the machine's
-// interface and routes, but no packet-filter rules and no pod bridge, which kube-proxy, the kubelet and the
-// CNI plugin must make again. The namespace itself outlives the node's power cycles.
+// interface and routes, but no packet-filter rules, no pod bridge and no VXLAN device, which kube-proxy,
+// flanneld and the CNI plugin must make again. The namespace itself outlives the node's power cycles.
 func resetNodeNetwork(ctx context.Context, node string) error {
 	ns := "--net=/run/netns/" + netnsPrefix + node
 	for _, cmd := range []string{"iptables", "ip6tables"} {
@@ -95,11 +91,37 @@ func resetNodeNetwork(ctx context.Context, node string) error {
 			}
 		}
 	}
-	if _, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "show", "cni0"); err != nil {
-		return nil
+	// Deleting flannel.1 takes the routes through it to the other nodes' pods too.
+	for _, link := range []string{"cni0", "flannel.1"} {
+		if _, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "show", link); err != nil {
+			continue
+		}
+		if _, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "del", link); err != nil {
+			return err
+		}
 	}
-	_, err := run(ctx, "ip", "-n", netnsPrefix+node, "link", "del", "cni0")
-	return err
+	return nil
+}
+
+// linkCNIPlugins links the host's CNI plugins (Debian's, in /usr/lib/cni) into dir, a node's own plugin
+// directory.
+func linkCNIPlugins(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	plugins, err := filepath.Glob("/usr/lib/cni/*")
+	if err != nil {
+		return err
+	}
+	if len(plugins) == 0 {
+		return errors.New("no CNI plugins in /usr/lib/cni: install Debian's containernetworking-plugins")
+	}
+	for _, p := range plugins {
+		if err := os.Symlink(p, filepath.Join(dir, filepath.Base(p))); err != nil && !errors.Is(err, fs.ErrExist) {
+			return err
+		}
+	}
+	return nil
 }
 
 // cgroupControllers are the v1 hierarchies mounted on this host (cpu,cpuacct count once).

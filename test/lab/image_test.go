@@ -15,6 +15,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/repotest"
 )
 
@@ -167,9 +168,9 @@ func TestImageLayerEntries(t *testing.T) {
 	}
 }
 
-// TestKubeadmImages pins the lab's image names to those its kubeadm asks for, and its CoreDNS build to the
-// version kubeadm names: an image that drifts away sends kubeadm or the kubelet to a registry this machine
-// cannot reach.
+// TestKubeadmImages pins the lab's image names to those its kubeadm asks for, its CoreDNS build to the
+// version kubeadm names, and its flanneld build to the version its image's name says: an image that drifts
+// away sends kubeadm or the kubelet to a registry this machine cannot reach.
 func TestKubeadmImages(t *testing.T) {
 	kubeBin := repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
 	out, err := exec.Command(filepath.Join(kubeBin, "kubeadm"), "config", "images", "list", "--kubernetes-version", KubernetesVersion).Output()
@@ -193,5 +194,18 @@ func TestKubeadmImages(t *testing.T) {
 	_, tag, _ := strings.Cut(corednsImage, ":v")
 	if !strings.Contains(string(version), "CoreDNS-"+tag+"\n") {
 		t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm's image is %s", version, corednsImage)
+	}
+	// The lab's agents take the default Flannel image, so the lab's build must carry the default's name.
+	if FlannelImage != podnetwork.DefaultFlannelImage {
+		t.Errorf("the lab builds %s; the agent installs %s by default", FlannelImage, podnetwork.DefaultFlannelImage)
+	}
+	// flanneld prints its version on stderr.
+	version, err = exec.Command(filepath.Join(kubeBin, "flanneld"), "--version").CombinedOutput()
+	if err != nil {
+		t.Fatalf("flanneld --version: %v\n%s", err, version)
+	}
+	_, tag, _ = strings.Cut(FlannelImage, ":")
+	if string(version) != tag+"\n" {
+		t.Errorf("the flanneld built from test/flanneltools/go.mod reports %q; the lab's image is %s", version, FlannelImage)
 	}
 }

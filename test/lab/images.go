@@ -26,6 +26,12 @@ const (
 	WorkloadImage  = "berthlab.local/sleeper:v1"
 	// ProbeImage serves and fetches over HTTP (test/lab/probe): the pod network's and the Services' test.
 	ProbeImage = "berthlab.local/probe:v1"
+	// FlannelImage is flanneld built from test/flanneltools/go.mod, under the name upstream's manifest
+	// (kube-flannel.yml of the same version) gives its image, whose tag is the version flanneld reports.
+	FlannelImage = "ghcr.io/flannel-io/flannel:v0.27.4"
+	// FlannelCNIImage holds the lab's stand-in for Flannel's CNI plugin (test/lab/flannelcni), in place of
+	// ghcr.io/flannel-io/flannel-cni-plugin, which the lab cannot build: its module is not served.
+	FlannelCNIImage = "berthlab.local/flannel-cni-plugin:v1"
 )
 
 // imageSet is where buildImages wrote the images; lab.json keeps it for the processes that add nodes.
@@ -69,8 +75,8 @@ func imagesIn(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	return set, writeJSON(filepath.Join(dir, imageSetFile), set)
 }
 
-// buildImages makes the control-plane, kube-proxy and CoreDNS images from the built binaries, and the pause
-// and workload images from the lab's own programs, as docker-archive tars.
+// buildImages makes the control-plane, kube-proxy, CoreDNS and Flannel images from the built binaries, and
+// the pause, workload and Flannel CNI plugin images from the lab's own programs, as docker-archive tars.
 func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return imageSet{}, err
@@ -83,13 +89,22 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	if err != nil {
 		return imageSet{}, err
 	}
+	flannelCNIBin, err := buildProgram(ctx, "flannelcni", dir)
+	if err != nil {
+		return imageSet{}, err
+	}
 	var commands []string
 	for _, c := range iptablesCommands {
 		commands = append(commands, "usr/sbin/"+c)
 	}
 	iptables, err := hostProgram("/usr/sbin/iptables", commands, "/usr/lib/x86_64-linux-gnu/xtables/*.so")
 	if err != nil {
-		return imageSet{}, fmt.Errorf("kube-proxy's iptables: %w", err)
+		return imageSet{}, fmt.Errorf("kube-proxy's and flanneld's iptables: %w", err)
+	}
+	// Upstream's manifest installs Flannel's CNI plugin and configuration with cp from the images' PATH.
+	cp, err := hostProgram("/bin/cp", []string{"bin/cp"}, "")
+	if err != nil {
+		return imageSet{}, fmt.Errorf("the Flannel images' cp: %w", err)
 	}
 	path := "PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 	bin := func(name string) ImageFile {
@@ -102,6 +117,15 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 		{Name: kubeProxyImage, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}},
 		// CoreDNS's Deployment runs the image's entrypoint with -conf.
 		{Name: corednsImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
+		// Laid out as upstream's: the manifest runs /opt/bin/flanneld, which runs iptables and ip6tables
+		// (and their -restore) from PATH.
+		{
+			Name:       FlannelImage,
+			Files:      slices.Concat([]ImageFile{{Path: "opt/bin/flanneld", Src: filepath.Join(kubeBin, "flanneld"), Mode: 0o755}}, iptables, cp),
+			Entrypoint: []string{"/opt/bin/flanneld"},
+			Env:        []string{path},
+		},
+		{Name: FlannelCNIImage, Files: append([]ImageFile{{Path: "flannel", Src: flannelCNIBin, Mode: 0o755}}, cp...), Env: []string{path}},
 	}
 	controlPlaneImages := []Image{{Name: etcdImage, Files: []ImageFile{bin("etcd")}, Env: []string{path}}}
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {

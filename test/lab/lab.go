@@ -47,6 +47,7 @@ import (
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/swtpm"
@@ -167,27 +168,6 @@ func (l *Lab) progress(format string, args ...any) {
 	}
 }
 
-// podSubnet is the node's share of the cluster's pod network, from its address, so that nodes added by
-// separate processes never share one.
-func podSubnet(addr netip.Addr) netip.Prefix {
-	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, addr.As4()[3], 0}), 24)
-}
-
-// podRoutes are the routes from the node at self to every other node's pods: each node's share of the pod
-// network (podSubnet) through that node's address on the bridge, as a host-gateway pod network routes
-// (Flannel's host-gw, Calico without encapsulation). They cover every address of the lab's network, so a
-// node added later is reached without a change to the nodes that are up, and they live in the node's
-// network namespace, which outlives its reboots.
-func podRoutes(self netip.Addr) []string {
-	var routes []string
-	for a := labSubnet.Addr().Next(); labSubnet.Contains(a) && a.As4()[3] != 255; a = a.Next() {
-		if a != self && a != hostAddr {
-			routes = append(routes, fmt.Sprintf("route add %s via %s", podSubnet(a), a))
-		}
-	}
-	return routes
-}
-
 // Node is the lab node called name, if this process knows it.
 func (l *Lab) Node(name string) *Node {
 	for _, n := range l.Nodes {
@@ -286,7 +266,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if imageDir == "" {
 		imageDir = l.path("images")
 	}
-	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, test workloads", imageDir)
+	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, Flannel, test workloads", imageDir)
 	var err error
 	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, imageDir); err != nil {
 		return fmt.Errorf("images: %w", err)
@@ -563,7 +543,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			KubernetesCaCertificate: s.kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: s.joinCA.CertPEM(), JoinCaKey: joinKey,
 			ClusterName: "berthlab", KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
-			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"),
+			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"), PodNetwork: podnetwork.Flannel,
 		},
 	})
 }

@@ -11,16 +11,18 @@ import (
 // probePort is where the probe's pods serve, and their Service listens.
 const probePort = 8080
 
-// WaitAddons waits until kube-proxy runs on every node and CoreDNS answers: what a Service reached by its
-// name needs besides the pod network.
+// WaitAddons waits until kube-proxy and Flannel run on every node and CoreDNS answers: what a Service
+// reached by its name needs.
 func (l *Lab) WaitAddons(ctx context.Context) error {
-	for _, workload := range []string{"daemonset/kube-proxy", "deployment/coredns"} {
-		if _, err := l.Kubectl(ctx, "-n", "kube-system", "rollout", "status", workload, "--timeout=3m"); err != nil {
-			pods, _ := l.Kubectl(ctx, "-n", "kube-system", "get", "pods", "-o", "wide")
-			return fmt.Errorf("%s: %w\n%s", workload, err, pods)
+	for _, w := range []struct{ namespace, workload string }{
+		{"kube-system", "daemonset/kube-proxy"}, {"kube-flannel", "daemonset/kube-flannel-ds"}, {"kube-system", "deployment/coredns"},
+	} {
+		if _, err := l.Kubectl(ctx, "-n", w.namespace, "rollout", "status", w.workload, "--timeout=3m"); err != nil {
+			pods, _ := l.Kubectl(ctx, "-n", w.namespace, "get", "pods", "-o", "wide")
+			return fmt.Errorf("%s: %w\n%s", w.workload, err, pods)
 		}
 	}
-	l.progress("kube-proxy and CoreDNS running")
+	l.progress("kube-proxy, Flannel and CoreDNS running")
 	return nil
 }
 

@@ -34,7 +34,12 @@ import (
 var nodeMounts = []string{
 	"/etc/kubernetes", "/var/lib/kubelet", "/var/lib/etcd", "/etc/cni/net.d", "/var/lib/cni",
 	"/var/log/pods", "/var/log/containers", "/var/lib/berth", "/run/containerd", "/run/netns", "/etc/berth",
+	"/run/flannel",
 }
+
+// cniBinDir is where a node's containerd finds its CNI plugins: a directory of its own (under /var/lib/cni),
+// because Flannel's DaemonSet installs its plugin there, beside Debian's plugins that the lab links in.
+const cniBinDir = "/var/lib/cni/bin"
 
 // cloudInitFile keeps a bare-metal node's #cloud-config, which the lab applies at every power-on as
 // cloud-init would.
@@ -147,7 +152,7 @@ func (n *Node) create(ctx context.Context, userData metadata.UserData) error {
 		return fmt.Errorf("cgroups: %w", err)
 	}
 	cidr := netip.PrefixFrom(n.Addr, labSubnet.Bits()).String()
-	if err := setupNodeNetwork(ctx, n.Name, cidr, hostAddr.String(), podRoutes(n.Addr)); err != nil {
+	if err := setupNodeNetwork(ctx, n.Name, cidr, hostAddr.String()); err != nil {
 		return fmt.Errorf("network: %w", err)
 	}
 	if err := os.MkdirAll(n.path("tpm/state"), 0o700); err != nil {
@@ -584,27 +589,13 @@ state = "/run/containerd"
   [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
     runtime_type = "io.containerd.runc.v2"
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+    bin_dir = %q
     conf_dir = "/etc/cni/net.d"
-`, n.path("containerd"), n.lab.images.Pause)
+`, n.path("containerd"), n.lab.images.Pause, cniBinDir)
 	if err := os.WriteFile(n.path("containerd.toml"), []byte(containerd), 0o644); err != nil {
 		return err
 	}
-	cni := fmt.Sprintf(`{
-  "cniVersion": "1.0.0",
-  "name": "berthlab",
-  "plugins": [
-    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-     "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-    {"type": "portmap", "capabilities": {"portMappings": true}},
-    {"type": "loopback"}
-  ]
-}
-`, podSubnet(n.Addr).String())
-	if err := os.MkdirAll(n.path("fs/etc/cni/net.d"), 0o755); err != nil {
-		return err
-	}
-	if err := os.WriteFile(n.path("fs/etc/cni/net.d/10-berthlab.conflist"), []byte(cni), 0o644); err != nil {
+	if err := linkCNIPlugins(n.path("fs" + cniBinDir)); err != nil {
 		return err
 	}
 	cfg := map[string]any{
@@ -613,7 +604,9 @@ state = "/run/containerd"
 		"kubeadm":    filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
 		"ekCABundle": n.lab.EKCAPath(),
 		// The lab's nodes share the host's kernel, whose connection-tracking table size only the host sets.
-		"kubeProxy":     map[string]any{"conntrackMaxPerCore": 0},
+		"kubeProxy": map[string]any{"conntrackMaxPerCore": 0},
+		// Flannel itself is built here under upstream's name (FlannelImage); its CNI plugin is a stand-in.
+		"podNetwork":    map[string]any{"cniBinDir": cniBinDir, "flannelCNIPluginImage": FlannelCNIImage},
 		"retryMax":      "2s",
 		"pcrs":          QuotedPCRs,
 		"sourceAddress": n.Addr.String(),
