@@ -239,6 +239,9 @@ resource "berth_cluster" "prod" {
   kubernetes_version     = data.berth_image.node.components["kubernetes"]
   control_plane_endpoint = "${aws_lb.control_plane.dns_name}:6443"
   pcrs                   = data.berth_image.node.pcrs
+  # Installed by the first node right after kubeadm init (docs/networking.md): Flannel's VXLAN, on the UDP
+  # port security.tf opens between nodes. "none" to bring your own.
+  pod_network = "flannel"
 
   # A NitroTPM has no endorsement key certificate: EC2 vouches for the instance's key instead.
   aws = {

@@ -311,6 +311,9 @@ resource "berth_cluster" "prod" {
   kubernetes_version     = data.berth_image.node.components["kubernetes"]
   control_plane_endpoint = "${google_compute_address.control_plane.address}:6443"
   pcrs                   = data.berth_image.node.pcrs
+  # Installed by the first node right after kubeadm init (docs/networking.md): Flannel's VXLAN, on the UDP
+  # port firewall.tf opens between nodes. "none" to bring your own.
+  pod_network = "flannel"
 
   # The vTPM's EK certificate chains to Google's EK CAs and names this instance in Google's extension: that
   # binds the TPM to the instance, with no Google credentials in the Berth provider.
