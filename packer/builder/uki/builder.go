@@ -21,6 +21,7 @@ import (
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 
 	ukiimage "github.com/berthlabs/berth/internal/uki"
+	"github.com/berthlabs/berth/packer/internal/chroot"
 )
 
 // BuilderID identifies the builder's artifacts.
@@ -160,7 +161,7 @@ func (b *Builder) provisionRoot(ctx context.Context, ui packersdk.Ui, hook packe
 	}
 	ui.Say(fmt.Sprintf("Copied root_directory %s and %d initrd_files in %.2fs; provisioning in a chroot of the copy",
 		c.RootDirectory, len(c.InitrdFiles), time.Since(start).Seconds()))
-	if err := hook.Run(ctx, packersdk.HookProvision, ui, &chrootCommunicator{root: dir}, nil); err != nil {
+	if err := hook.Run(ctx, packersdk.HookProvision, ui, &chroot.Communicator{Root: dir}, nil); err != nil {
 		return nil, err
 	}
 	return ukiimage.TreeEntries(dir)

@@ -1,6 +1,6 @@
 // Package remote is what Berth's provisioners share for working on the machine being built through Packer's
 // communicator: running a command with its output shown and kept for the error, quoting for sh, and the
-// checks of the paths a provisioner writes to or runs from.
+// checks of the paths a provisioner writes to or runs from, and the files it uploads.
 package remote
 
 import (
@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path"
 	"regexp"
 	"slices"
@@ -16,6 +17,7 @@ import (
 	"unicode"
 
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
+	"github.com/hashicorp/packer-plugin-sdk/template/interpolate"
 )
 
 // Run runs a command through the communicator, shows its output as it comes, and returns an error carrying
@@ -88,6 +90,31 @@ func CheckStaging(p string) error {
 	}
 	if !stagingChars.MatchString(p) {
 		return fmt.Errorf("%q: only letters, digits and . _ + - / please, as execute_command quotes it", p)
+	}
+	return nil
+}
+
+// ExecuteCommand renders a provisioner's execute_command with the path of the script it runs.
+func ExecuteCommand(ctx *interpolate.Context, command, script string) (string, error) {
+	ctx.Data = struct{ Path string }{Path: script}
+	cmd, err := interpolate.Render(command, ctx)
+	if err != nil {
+		return "", fmt.Errorf("execute_command: %w", err)
+	}
+	if strings.TrimSpace(cmd) == "" {
+		return "", errors.New("execute_command is empty once rendered")
+	}
+	return cmd, nil
+}
+
+// CheckSource accepts a local file a provisioner uploads: it exists and is a regular file.
+func CheckSource(p string) error {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a regular file", p)
 	}
 	return nil
 }

@@ -6,7 +6,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"os"
 	"path"
 	"regexp"
 	"strconv"
@@ -71,14 +70,13 @@ type File struct {
 
 // item is one file the provisioner installs.
 type item struct {
-	option  string // the option it comes from, for errors: agent_binary, files[2]
-	name    string // what the build's output calls it
-	source  string // the local file; empty for content
-	content []byte
-	dest    string // path in the image, without install_prefix
-	mode    string // four octal digits
-	sha256  string // the pin; empty where none is required
-	staged  string // name in the staging directory
+	option string // the option it comes from, for errors: agent_binary, files[2]
+	name   string // what the build's output calls it
+	file   remote.File
+	dest   string // path in the image, without install_prefix
+	mode   string // four octal digits
+	sha256 string // the pin; empty where none is required
+	staged string // name in the staging directory
 }
 
 // Prepare decodes and checks the configuration, naming every problem at once, and lists the files to
@@ -116,7 +114,7 @@ func (c *Config) Prepare(raws ...any) error {
 	}
 	if c.AgentBinary == "" {
 		errs = append(errs, errors.New("agent_binary is required: the berth-agent binary to install"))
-	} else if err := checkSource(c.AgentBinary); err != nil {
+	} else if err := remote.CheckSource(c.AgentBinary); err != nil {
 		errs = append(errs, fmt.Errorf("agent_binary: %w", err))
 	}
 	if c.AgentSHA256 != "" {
@@ -125,20 +123,20 @@ func (c *Config) Prepare(raws ...any) error {
 		}
 	}
 	if c.AgentBinary != "" {
-		add(item{option: "agent_binary", name: "berth-agent", source: c.AgentBinary, dest: AgentPath, mode: "0755", sha256: c.AgentSHA256})
+		add(item{option: "agent_binary", name: "berth-agent", file: remote.File{Path: c.AgentBinary}, dest: AgentPath, mode: "0755", sha256: c.AgentSHA256})
 	}
-	add(item{option: "the agent's unit", name: UnitName, content: unit, dest: UnitPath, mode: "0644"})
+	add(item{option: "the agent's unit", name: UnitName, file: remote.File{Content: unit}, dest: UnitPath, mode: "0644"})
 	if c.AgentConfig != "" {
-		if err := checkSource(c.AgentConfig); err != nil {
+		if err := remote.CheckSource(c.AgentConfig); err != nil {
 			errs = append(errs, fmt.Errorf("agent_config: %w", err))
 		}
-		add(item{option: "agent_config", name: "agent.yaml", source: c.AgentConfig, dest: AgentConfigPath, mode: "0600"})
+		add(item{option: "agent_config", name: "agent.yaml", file: remote.File{Path: c.AgentConfig}, dest: AgentConfigPath, mode: "0600"})
 	}
 	if c.ContainerdConfig != "" {
-		if err := checkSource(c.ContainerdConfig); err != nil {
+		if err := remote.CheckSource(c.ContainerdConfig); err != nil {
 			errs = append(errs, fmt.Errorf("containerd_config: %w", err))
 		}
-		add(item{option: "containerd_config", name: "containerd config.toml", source: c.ContainerdConfig, dest: ContainerdConfigPath, mode: "0644"})
+		add(item{option: "containerd_config", name: "containerd config.toml", file: remote.File{Path: c.ContainerdConfig}, dest: ContainerdConfigPath, mode: "0644"})
 	}
 	for i, f := range c.Files {
 		option := fmt.Sprintf("files[%d]", i)
@@ -164,10 +162,10 @@ func (c *Config) Prepare(raws ...any) error {
 // checkFile checks one entry of files and returns what it installs.
 func checkFile(option string, f File) (item, []error) {
 	var errs []error
-	it := item{option: option, name: path.Base(f.Destination), source: f.Source, sha256: f.SHA256}
+	it := item{option: option, name: path.Base(f.Destination), file: remote.File{Path: f.Source}, sha256: f.SHA256}
 	if f.Source == "" {
 		errs = append(errs, fmt.Errorf("%s: source is required", option))
-	} else if err := checkSource(f.Source); err != nil {
+	} else if err := remote.CheckSource(f.Source); err != nil {
 		errs = append(errs, fmt.Errorf("%s: source: %w", option, err))
 	}
 	switch err := remote.CheckAbsolute(f.Destination); {
@@ -191,17 +189,6 @@ func checkFile(option string, f File) (item, []error) {
 	}
 	it.mode = mode
 	return it, errs
-}
-
-func checkSource(p string) error {
-	fi, err := os.Stat(p)
-	if err != nil {
-		return err
-	}
-	if !fi.Mode().IsRegular() {
-		return fmt.Errorf("%s is not a regular file", p)
-	}
-	return nil
 }
 
 var sha256Hex = regexp.MustCompile(`^[0-9a-f]{64}$`)
@@ -238,13 +225,5 @@ func stagedName(i int, dest string) string {
 
 // executeCommand is execute_command with the script's path.
 func (c *Config) executeCommand() (string, error) {
-	c.ctx.Data = struct{ Path string }{Path: path.Join(c.StagingDirectory, scriptName)}
-	cmd, err := interpolate.Render(c.ExecuteCommand, &c.ctx)
-	if err != nil {
-		return "", fmt.Errorf("execute_command: %w", err)
-	}
-	if strings.TrimSpace(cmd) == "" {
-		return "", errors.New("execute_command is empty once rendered")
-	}
-	return cmd, nil
+	return remote.ExecuteCommand(&c.ctx, c.ExecuteCommand, path.Join(c.StagingDirectory, scriptName))
 }

@@ -7,15 +7,10 @@
 package agent
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	_ "embed"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 	"path"
 	"strings"
 
@@ -63,15 +58,15 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		sum, size, err := it.hash()
+		sum, size, err := it.file.Hash()
 		if err != nil {
-			return fmt.Errorf("%s: hashing %s: %w", it.option, it.source, err)
+			return fmt.Errorf("%s: hashing %s: %w", it.option, it.file.Path, err)
 		}
 		if it.sha256 != "" && sum != it.sha256 {
-			return fmt.Errorf("%s: %s has SHA-256 %s, expected %s: nothing was uploaded", it.option, it.source, sum, it.sha256)
+			return fmt.Errorf("%s: %s has SHA-256 %s, expected %s: nothing was uploaded", it.option, it.file.Path, sum, it.sha256)
 		}
 		sums[i] = sum
-		ui.Say(fmt.Sprintf("%s: %s, sha256 %s… → %s", it.name, formatSize(size), sum[:12], path.Join(p.config.InstallPrefix, it.dest)))
+		ui.Say(fmt.Sprintf("%s: %s, sha256 %s… → %s", it.name, remote.FormatSize(size), sum[:12], path.Join(p.config.InstallPrefix, it.dest)))
 	}
 
 	if err := ctx.Err(); err != nil {
@@ -85,7 +80,7 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if err := it.upload(ui, comm, path.Join(staging, it.staged)); err != nil {
+		if err := it.file.Upload(ui, comm, path.Join(staging, it.staged)); err != nil {
 			return fmt.Errorf("uploading %s: %w", it.name, err)
 		}
 	}
@@ -109,66 +104,4 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 		return fmt.Errorf("the install script: %w", err)
 	}
 	return nil
-}
-
-// open returns the item's content and, for a local file, its information, which scp takes its length
-// from (without it, the communicator copies the file to learn it).
-func (it item) open() (io.ReadCloser, *os.FileInfo, error) {
-	if it.source == "" {
-		return io.NopCloser(bytes.NewReader(it.content)), nil, nil
-	}
-	f, err := os.Open(it.source)
-	if err != nil {
-		return nil, nil, err
-	}
-	fi, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, nil, err
-	}
-	return f, &fi, nil
-}
-
-// hash streams the item through SHA-256: a kubelet need not sit in memory.
-func (it item) hash() (string, int64, error) {
-	r, _, err := it.open()
-	if err != nil {
-		return "", 0, err
-	}
-	defer r.Close()
-	h := sha256.New()
-	n, err := io.Copy(h, r)
-	if err != nil {
-		return "", 0, err
-	}
-	return hex.EncodeToString(h.Sum(nil)), n, nil
-}
-
-func (it item) upload(ui packersdk.Ui, comm packersdk.Communicator, dst string) error {
-	r, fi, err := it.open()
-	if err != nil {
-		return err
-	}
-	defer r.Close()
-	if fi == nil {
-		return comm.Upload(dst, r, nil)
-	}
-	progress := ui.TrackProgress(path.Base(it.source), 0, (*fi).Size(), r)
-	defer progress.Close()
-	return comm.Upload(dst, progress, fi)
-}
-
-func formatSize(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	v, suffix := float64(n)/unit, "KiB"
-	for _, s := range []string{"MiB", "GiB"} {
-		if v < unit {
-			break
-		}
-		v, suffix = v/unit, s
-	}
-	return fmt.Sprintf("%.1f %s", v, suffix)
 }

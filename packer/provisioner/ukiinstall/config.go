@@ -161,13 +161,5 @@ func checkCmdline(line string) error {
 
 // executeCommand is execute_command with the path of the script called name.
 func (c *Config) executeCommand(name string) (string, error) {
-	c.ctx.Data = struct{ Path string }{Path: path.Join(c.StagingDirectory, name)}
-	cmd, err := interpolate.Render(c.ExecuteCommand, &c.ctx)
-	if err != nil {
-		return "", fmt.Errorf("execute_command: %w", err)
-	}
-	if strings.TrimSpace(cmd) == "" {
-		return "", errors.New("execute_command is empty once rendered")
-	}
-	return cmd, nil
+	return remote.ExecuteCommand(&c.ctx, c.ExecuteCommand, path.Join(c.StagingDirectory, name))
 }

@@ -1,4 +1,6 @@
-package uki
+// Package chroot is a Packer communicator for a root file system being built on this machine: commands run
+// in a chroot of it, files move in and out of it without ever leaving it.
+package chroot
 
 import (
 	"context"
@@ -19,30 +21,30 @@ import (
 // the image's root.
 var chrootEnv = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"}
 
-// chrootCommunicator is what provisioners reach in a berth-uki build: the root file system being built.
-// Commands run in a chroot of it with its own /bin/sh (util-linux's unshare and mount, coreutils' chroot);
-// files move in and out through an os.Root, so that no path or symbolic link in the tree reaches outside it.
-type chrootCommunicator struct {
-	root string
+// Communicator is what provisioners reach in a berth-uki build: the root file system Root. Commands run in
+// a chroot of it with its own /bin/sh (util-linux's unshare and mount, coreutils' chroot); files move in and
+// out through an os.Root, so that no path or symbolic link in the tree reaches outside it.
+type Communicator struct {
+	Root string
 }
 
 // chrootScript runs "$2" in a chroot of "$1" with the host's /dev and a /proc, as install scripts expect
 // them. It runs in a mount namespace of its own, so the mounts end with it and never reach the image.
 const chrootScript = `mkdir -p "$1/dev" "$1/proc" && mount --rbind /dev "$1/dev" && mount -t proc proc "$1/proc" && exec chroot "$1" /bin/sh -c "$2"`
 
-func (c *chrootCommunicator) Start(ctx context.Context, rc *packersdk.RemoteCmd) error {
+func (c *Communicator) Start(ctx context.Context, rc *packersdk.RemoteCmd) error {
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("provisioning root_directory runs commands in a chroot, which needs root: run packer build as root")
 	}
-	if _, err := os.Stat(filepath.Join(c.root, "bin/sh")); err != nil {
-		return fmt.Errorf("running a command in a chroot of %s: root_directory has no /bin/sh: %w", c.root, err)
+	if _, err := os.Stat(filepath.Join(c.Root, "bin/sh")); err != nil {
+		return fmt.Errorf("running a command in a chroot of %s: root_directory has no /bin/sh: %w", c.Root, err)
 	}
 	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--",
-		"/bin/sh", "-c", chrootScript, "berth-chroot", c.root, rc.Command)
+		"/bin/sh", "-c", chrootScript, "berth-chroot", c.Root, rc.Command)
 	cmd.Env = chrootEnv
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = rc.Stdin, rc.Stdout, rc.Stderr
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("running a command in a chroot of %s: %w", c.root, err)
+		return fmt.Errorf("running a command in a chroot of %s: %w", c.Root, err)
 	}
 	go func() {
 		status := 0
@@ -71,7 +73,7 @@ func rel(p string) (string, error) {
 	return r, nil
 }
 
-func (c *chrootCommunicator) Upload(dst string, r io.Reader, fi *os.FileInfo) error {
+func (c *Communicator) Upload(dst string, r io.Reader, fi *os.FileInfo) error {
 	name, err := rel(dst)
 	if err != nil {
 		return fmt.Errorf("upload: %w", err)
@@ -80,7 +82,7 @@ func (c *chrootCommunicator) Upload(dst string, r io.Reader, fi *os.FileInfo) er
 	if fi != nil && *fi != nil {
 		mode = (*fi).Mode().Perm()
 	}
-	root, err := os.OpenRoot(c.root)
+	root, err := os.OpenRoot(c.Root)
 	if err != nil {
 		return err
 	}
@@ -98,7 +100,7 @@ func (c *chrootCommunicator) Upload(dst string, r io.Reader, fi *os.FileInfo) er
 
 // UploadDir copies the local directory src to dst as scp -r would: src itself, or only its contents when it
 // ends with a slash. Paths matching an exclude pattern (relative to src) are skipped.
-func (c *chrootCommunicator) UploadDir(dst, src string, exclude []string) error {
+func (c *Communicator) UploadDir(dst, src string, exclude []string) error {
 	base, err := rel(dst)
 	if err != nil {
 		return fmt.Errorf("upload: %w", err)
@@ -106,7 +108,7 @@ func (c *chrootCommunicator) UploadDir(dst, src string, exclude []string) error 
 	if !strings.HasSuffix(src, "/") {
 		base = path.Join(base, filepath.Base(src))
 	}
-	root, err := os.OpenRoot(c.root)
+	root, err := os.OpenRoot(c.Root)
 	if err != nil {
 		return err
 	}
@@ -152,12 +154,12 @@ func (c *chrootCommunicator) UploadDir(dst, src string, exclude []string) error 
 	})
 }
 
-func (c *chrootCommunicator) Download(src string, w io.Writer) error {
+func (c *Communicator) Download(src string, w io.Writer) error {
 	name, err := rel(src)
 	if err != nil {
 		return fmt.Errorf("download: %w", err)
 	}
-	root, err := os.OpenRoot(c.root)
+	root, err := os.OpenRoot(c.Root)
 	if err != nil {
 		return err
 	}
@@ -171,6 +173,6 @@ func (c *chrootCommunicator) Download(src string, w io.Writer) error {
 	return err
 }
 
-func (c *chrootCommunicator) DownloadDir(src, dst string, _ []string) error {
-	return fmt.Errorf("download of the directory %s: berth-uki's chroot communicator downloads files only", src)
+func (c *Communicator) DownloadDir(src, dst string, _ []string) error {
+	return fmt.Errorf("download of the directory %s: the chroot communicator downloads files only", src)
 }
