@@ -58,6 +58,10 @@ Usage:
                                             serve join tickets beside an external control plane (workers
                                             join without kubeadm; see docs/external-control-plane.md)
   berth-agent status      [--config FILE] [--json]   what this node is and why
+  berth-agent doctor      [--config FILE] [--manifest FILE --image NAME] [--json]
+                                            check the TPM, the boot's PCRs, containerd and the kernel settings
+                                            a node needs (docs/node-image.md); exit 1 if one fails
+  berth-agent ebs-name    DEVICE            the block device mapping name of an EBS volume (for udev)
   berth-agent measure     --uki FILE [--json]        predict the PCR values booting this UKI produces
   berth-agent recover     --node HOST:PORT --root-key-file FILE|- --ek-ca-bundle FILE (--policy FILE | --manifest FILE --image NAME)
                                             give a node that cannot unlock its state disk its key back, from
@@ -74,6 +78,8 @@ var commands = map[string]func(args []string, stdout, stderr io.Writer) int{
 	"boot":        runBoot,
 	"joinservice": runJoinService,
 	"status":      runStatus,
+	"doctor":      runDoctor,
+	"ebs-name":    runEBSName,
 	"measure":     runMeasure,
 	"recover":     runRecover,
 }

@@ -116,6 +116,16 @@ func TestCommandLine(t *testing.T) {
 			stderr: []string{"berth-agent status: reading agent configuration: open " + missing + ": no such file or directory\n"}},
 		{name: "status --json without configuration", args: []string{"status", "--json", "--config", missing}, code: 3,
 			stderr: []string{"berth-agent status: reading agent configuration: open " + missing}},
+		{name: "doctor --help", args: []string{"doctor", "--help"}, code: 0, stdout: []string{"Usage: berth-agent doctor", "-manifest string"}},
+		{name: "doctor --image without --manifest", args: []string{"doctor", "--image", "berth-node-aws"}, code: 2,
+			stderr: []string{"berth-agent doctor: --image needs --manifest"}},
+		{name: "doctor --manifest without --image", args: []string{"doctor", "--manifest", missing}, code: 3,
+			stderr: []string{"berth-agent doctor: --manifest needs --image"}},
+		{name: "ebs-name without a device", args: []string{"ebs-name"}, code: 2, stderr: []string{"berth-agent ebs-name: the device is required"}},
+		{name: "ebs-name of a file", args: []string{"ebs-name", "/proc/self/exe"}, code: 1,
+			stderr: []string{"berth-agent ebs-name: /proc/self/exe is not an NVMe device"}},
+		{name: "doctor with a missing manifest", args: []string{"doctor", "--manifest", missing, "--image", "berth-node-aws"}, code: 3,
+			stderr: []string{"berth-agent doctor: manifest: open " + missing}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -296,4 +306,42 @@ func mkdir(t *testing.T, dir string) string {
 		t.Fatal(err)
 	}
 	return dir
+}
+
+// TestDoctor runs doctor on this machine, which is no node: it still reports every check, with the broken
+// configuration as one finding, in both forms, and exits 1; an image the manifest lacks is named.
+func TestDoctor(t *testing.T) {
+	bin := buildAgent(t)
+	missing := filepath.Join(t.TempDir(), "agent.yaml")
+	zero := strings.Repeat("0", 64)
+	manifestFile := writeFile(t, t.TempDir(), "berth-image.json", `{"version": 1, "images": [{"name": "berth-node-qemu",
+		"builder": "qemu", "artifact_id": "berth.raw", "region": "", "pcrs": {"4": "`+zero+`", "9": "`+zero+`", "11": "`+zero+`", "12": "`+zero+`"},
+		"components": {}}]}`)
+
+	r := runAgent(t, bin, "doctor", "--config", missing, "--manifest", manifestFile, "--image", "berth-node-qemu")
+	r.check(t, 1, []string{"FAIL  configuration", "reading agent configuration: open " + missing, "pcr 4", "cmdline", "containerd", "kubelet"}, nil)
+	r = runAgent(t, bin, "doctor", "--json", "--config", missing, "--manifest", manifestFile, "--image", "berth-node-qemu")
+	var checks []struct {
+		Name   string
+		OK     bool
+		Detail string
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &checks); err != nil {
+		t.Fatalf("--json: stdout %q: %v", r.stdout, err)
+	}
+	names := map[string]bool{}
+	for _, c := range checks {
+		names[c.Name] = true
+	}
+	for _, want := range []string{"configuration", "tpm", "pcr 4", "pcr 9", "pcr 11", "pcr 12", "cmdline", "containerd", "swap", "kubeadm", "kubelet"} {
+		if !names[want] {
+			t.Errorf("--json lacks the check %q: %s", want, r.stdout)
+		}
+	}
+	if r.code != 1 || len(checks) == 0 || checks[0].Name != "configuration" || checks[0].OK {
+		t.Errorf("--json: exit code %d, checks %+v; want 1 with the configuration failing first", r.code, checks)
+	}
+
+	r = runAgent(t, bin, "doctor", "--config", missing, "--manifest", manifestFile, "--image", "berth-node-aws")
+	r.check(t, 3, nil, []string{`has no image "berth-node-aws" (it has [berth-node-qemu])`})
 }

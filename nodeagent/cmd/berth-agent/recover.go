@@ -109,20 +109,9 @@ func imagesToCheck(policyFile, manifestFile, imageName string) (*policy.Policy, 
 		}
 		return p, nil
 	}
-	if imageName == "" {
-		return nil, errors.New("--manifest needs --image: the image the node must run")
-	}
-	data, err := readInput(manifestFile)
+	img, err := manifestImage(manifestFile, imageName)
 	if err != nil {
-		return nil, fmt.Errorf("manifest: %w", err)
-	}
-	m, err := manifest.Parse(data)
-	if err != nil {
-		return nil, fmt.Errorf("manifest %s: %w", manifestFile, err)
-	}
-	img, ok := m.Image(imageName)
-	if !ok {
-		return nil, fmt.Errorf("manifest %s has no image %q (it has %v)", manifestFile, imageName, m.Names())
+		return nil, err
 	}
 	pi := policy.Image{Name: img.Name, Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}, PCRs: map[int][]byte{}}
 	for idx, v := range img.PCRs {
@@ -139,6 +128,26 @@ func imagesToCheck(policyFile, manifestFile, imageName string) (*policy.Policy, 
 		return nil, fmt.Errorf("image %q of %s: %w", imageName, manifestFile, err)
 	}
 	return p, nil
+}
+
+// manifestImage is the image of a manifest that --manifest and --image name.
+func manifestImage(manifestFile, imageName string) (manifest.Image, error) {
+	if imageName == "" {
+		return manifest.Image{}, errors.New("--manifest needs --image: the image the node must run")
+	}
+	data, err := readInput(manifestFile)
+	if err != nil {
+		return manifest.Image{}, fmt.Errorf("manifest: %w", err)
+	}
+	m, err := manifest.Parse(data)
+	if err != nil {
+		return manifest.Image{}, fmt.Errorf("manifest %s: %w", manifestFile, err)
+	}
+	img, ok := m.Image(imageName)
+	if !ok {
+		return manifest.Image{}, fmt.Errorf("manifest %s has no image %q (it has %v)", manifestFile, imageName, m.Names())
+	}
+	return img, nil
 }
 
 // readInput reads a file, or standard input for "-", bounded.
