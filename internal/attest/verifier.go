@@ -48,6 +48,14 @@ func NewVerifier(trust EKTrust) *Verifier {
 // intermediates, so operators configure one file as TPM vendors publish them.
 func ParseCABundle(data []byte) (roots, intermediates *x509.CertPool, err error) {
 	roots, intermediates = x509.NewCertPool(), x509.NewCertPool()
+	if err := AddCABundle(roots, intermediates, data); err != nil {
+		return nil, nil, err
+	}
+	return roots, intermediates, nil
+}
+
+// AddCABundle adds a PEM bundle of EK CAs to roots and intermediates, split as ParseCABundle splits them.
+func AddCABundle(roots, intermediates *x509.CertPool, data []byte) error {
 	n := 0
 	for {
 		var block *pem.Block
@@ -60,7 +68,7 @@ func ParseCABundle(data []byte) (roots, intermediates *x509.CertPool, err error)
 		}
 		c, err := x509.ParseCertificate(block.Bytes)
 		if err != nil {
-			return nil, nil, fmt.Errorf("parsing EK CA certificate %d: %w", n+1, err)
+			return fmt.Errorf("parsing EK CA certificate %d: %w", n+1, err)
 		}
 		n++
 		if c.CheckSignatureFrom(c) == nil {
@@ -70,9 +78,9 @@ func ParseCABundle(data []byte) (roots, intermediates *x509.CertPool, err error)
 		}
 	}
 	if n == 0 {
-		return nil, nil, errors.New("no certificate in the EK CA bundle")
+		return errors.New("no certificate in the EK CA bundle")
 	}
-	return roots, intermediates, nil
+	return nil
 }
 
 // Result is what verified evidence proves.

@@ -7,9 +7,11 @@ package gcp
 import (
 	"cmp"
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 
 	"github.com/berthlabs/berth/internal/attest"
@@ -38,6 +40,9 @@ type Config struct {
 	// EKCABundle replaces Google's vTPM EK CAs with the ones in this PEM file, for labs whose TPMs Google
 	// did not make.
 	EKCABundle string `json:"ekCABundle,omitempty"`
+	// ExtraEKCAs adds the CAs in this PEM file to Google's (or to EKCABundle's): an intermediate Google
+	// starts issuing vTPM EK certificates from before a Berth release carries it.
+	ExtraEKCAs string `json:"extraEKCAs,omitempty"`
 }
 
 // Validate says everything wrong with the block at once, each problem under its key in agent.yaml.
@@ -85,7 +90,10 @@ func (p *Platform) Records(ctx context.Context, self *metadata.Self, env platfor
 	project, network := p.cfg.Project, p.cfg.Network
 	if project == "" || network == "" {
 		pr, _, n, err := p.meta.Placement(ctx)
-		if err != nil {
+		switch {
+		case errors.Is(err, gcemetadata.ErrSharedVPC) && network == "":
+			return platform.Records{}, fmt.Errorf("finding this node's network: %w; the join service looks nodes up on it by the host project's id, which the metadata server does not give: set gcp.network in agent.yaml to projects/<host project id>/global/networks/<name>", err)
+		case err != nil && !errors.Is(err, gcemetadata.ErrSharedVPC):
 			return platform.Records{}, fmt.Errorf("finding this node's project and network: %w", err)
 		}
 		project, network = cmp.Or(project, pr), cmp.Or(network, n)
@@ -99,15 +107,32 @@ func (p *Platform) Records(ctx context.Context, self *metadata.Self, env platfor
 	if err != nil {
 		return platform.Records{}, err
 	}
-	roots, inters, err := shieldedvm.GoogleCAs()
-	if p.cfg.EKCABundle != "" {
-		roots, inters, err = platform.ReadCABundle(p.cfg.EKCABundle)
-	}
+	roots, inters, err := p.cfg.ekCAs()
 	if err != nil {
 		return platform.Records{}, err
 	}
 	log.Info("nodes are looked up in Compute Engine", "project", project, "network", network,
-		"instance_groups", slices.Sorted(maps.Keys(groups)), "ek_cas", cmp.Or(p.cfg.EKCABundle, "Google's"))
+		"instance_groups", slices.Sorted(maps.Keys(groups)), "ek_cas", cmp.Or(p.cfg.EKCABundle, "Google's"),
+		"extra_ek_cas", p.cfg.ExtraEKCAs)
 	trust := shieldedvm.NewTrust(roots, inters, computeinstances.NewIdentities(svc, log), nil)
 	return platform.Records{Instances: lookup, Verifier: attest.NewVerifier(trust)}, nil
+}
+
+// ekCAs are the CAs a vTPM's EK certificate must chain to: Google's, or EKCABundle's, and ExtraEKCAs'.
+func (c Config) ekCAs() (roots, intermediates *x509.CertPool, err error) {
+	roots, intermediates, err = shieldedvm.GoogleCAs()
+	if c.EKCABundle != "" {
+		roots, intermediates, err = platform.ReadCABundle(c.EKCABundle)
+	}
+	if err != nil || c.ExtraEKCAs == "" {
+		return roots, intermediates, err
+	}
+	data, err := os.ReadFile(c.ExtraEKCAs)
+	if err != nil {
+		return nil, nil, fmt.Errorf("gcp.extraEKCAs: %w", err)
+	}
+	if err := attest.AddCABundle(roots, intermediates, data); err != nil {
+		return nil, nil, fmt.Errorf("gcp.extraEKCAs %s: %w", c.ExtraEKCAs, err)
+	}
+	return roots, intermediates, nil
 }

@@ -164,7 +164,7 @@ func (c *Client) Self(ctx context.Context) (*metadata.Self, error) {
 	if !resourceName.MatchString(name) {
 		return nil, fmt.Errorf("reading %s from the GCE metadata server: %q is not a Compute Engine instance name (RFC 1035: a lowercase letter, then lowercase letters, digits and hyphens, at most 63)", pathName, name)
 	}
-	project, zone, err := c.projectAndZone(ctx)
+	project, zone, _, err := c.projectAndZone(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -216,11 +216,15 @@ func InstanceID(project, zone, id string) string {
 	return "projects/" + project + "/zones/" + zone + "/instances/" + id
 }
 
+// ErrSharedVPC says that the instance's primary network belongs to another project (a Shared VPC host),
+// which the metadata server names only by number: the Compute API needs the host project's id.
+var ErrSharedVPC = errors.New("the network is a Shared VPC network of another project")
+
 // Placement reads the instance's project id, its zone's name and the name of its primary network
 // interface's network: where a join service on a control-plane node looks nodes up unless configured
-// otherwise.
+// otherwise. A network of another project gives the project and zone with an error wrapping ErrSharedVPC.
 func (c *Client) Placement(ctx context.Context) (project, zone, network string, err error) {
-	project, zone, err = c.projectAndZone(ctx)
+	project, zone, number, err := c.projectAndZone(ctx)
 	if err != nil {
 		return "", "", "", err
 	}
@@ -228,9 +232,12 @@ func (c *Client) Placement(ctx context.Context) (project, zone, network string, 
 	if err != nil {
 		return "", "", "", err
 	}
-	network, ok := cutResourcePath(v, "networks")
+	networkNumber, network, ok := cutResourcePath(v, "networks")
 	if !ok {
 		return "", "", "", fmt.Errorf("reading %s from the GCE metadata server: %q is not projects/<project number>/networks/<network>", pathNetwork, v)
+	}
+	if networkNumber != number {
+		return project, zone, "", fmt.Errorf("%w: this instance (project %s, number %s) has its primary interface on network %q of project number %s", ErrSharedVPC, project, number, network, networkNumber)
 	}
 	return project, zone, network, nil
 }
@@ -323,36 +330,36 @@ var resourceName = regexp.MustCompile(`^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$`)
 var projectID = regexp.MustCompile(`^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$`)
 
 // projectAndZone reads the project's id and the zone's name.
-func (c *Client) projectAndZone(ctx context.Context) (project, zone string, err error) {
+func (c *Client) projectAndZone(ctx context.Context) (project, zone, number string, err error) {
 	project, err = c.getValue(ctx, pathProjectID)
 	if err != nil {
-		return "", "", err
+		return "", "", "", err
 	}
 	if !projectID.MatchString(project) {
-		return "", "", fmt.Errorf("reading %s from the GCE metadata server: %q is not a project id", pathProjectID, project)
+		return "", "", "", fmt.Errorf("reading %s from the GCE metadata server: %q is not a project id", pathProjectID, project)
 	}
 	v, err := c.getValue(ctx, pathZone)
 	if err != nil {
-		return "", "", err
+		return "", "", "", err
 	}
-	zone, ok := cutResourcePath(v, "zones")
+	number, zone, ok := cutResourcePath(v, "zones")
 	if !ok {
-		return "", "", fmt.Errorf("reading %s from the GCE metadata server: %q is not projects/<project number>/zones/<zone>", pathZone, v)
+		return "", "", "", fmt.Errorf("reading %s from the GCE metadata server: %q is not projects/<project number>/zones/<zone>", pathZone, v)
 	}
-	return project, zone, nil
+	return project, zone, number, nil
 }
 
-// cutResourcePath returns the name in "projects/<project number>/<collection>/<name>", the form the
-// metadata server gives zones and networks in.
-func cutResourcePath(v, collection string) (string, bool) {
+// cutResourcePath returns the project number and the name in "projects/<project number>/<collection>/<name>",
+// the form the metadata server gives zones and networks in.
+func cutResourcePath(v, collection string) (number, name string, ok bool) {
 	parts := strings.Split(v, "/")
 	if len(parts) != 4 || parts[0] != "projects" || parts[2] != collection || !resourceName.MatchString(parts[3]) {
-		return "", false
+		return "", "", false
 	}
 	if n, err := strconv.ParseUint(parts[1], 10, 64); err != nil || strconv.FormatUint(n, 10) != parts[1] {
-		return "", false
+		return "", "", false
 	}
-	return parts[3], true
+	return parts[1], parts[3], true
 }
 
 // parseUserData is metadata.ParseUserData with the mistakes an instance template is likely to make named,

@@ -426,6 +426,12 @@ func TestPlacement(t *testing.T) {
 		t.Fatalf("Placement = %q, %q, %q, %v; want berth-prod, europe-west1-b, berth", project, zone, network, err)
 	}
 
+	srv.SetFault(pathNetwork, gcemetadatatest.Fault{Body: []byte("projects/999999999999/networks/shared")})
+	project, zone, network, err = c.Placement(context.Background())
+	if !errors.Is(err, ErrSharedVPC) || project != "berth-prod" || zone != "europe-west1-b" || network != "" {
+		t.Errorf("network of another project: Placement = %q, %q, %q, %v; want the project and zone with ErrSharedVPC", project, zone, network, err)
+	}
+
 	for _, v := range []string{"berth", "projects/731029385467/networks/", "projects/berth-prod/networks/berth", "projects/731029385467/subnetworks/berth"} {
 		srv.SetFault(pathNetwork, gcemetadatatest.Fault{Body: []byte(v)})
 		_, _, network, err := c.Placement(context.Background())
