@@ -65,6 +65,16 @@ variable "instance_type" {
   default     = "m6i.large"
 }
 
+variable "control_plane_nodes" {
+  description = "Size of the control-plane group: 3 or 5 keep etcd's quorum through a node's loss; 1 is a cluster that dies with its instance."
+  type        = number
+  default     = 3
+  validation {
+    condition     = contains([1, 3, 5], var.control_plane_nodes)
+    error_message = "control_plane_nodes must be 1, 3 or 5: etcd needs a majority, and an even count adds a node without adding a failure it survives."
+  }
+}
+
 variable "workers" {
   description = "Size of the worker group."
   type        = object({ min = number, desired = number, max = number })
@@ -106,16 +116,21 @@ ephemeral "berth_secrets" "cluster" {
 }
 
 # An internal network load balancer in front of the control-plane nodes: the join service (7450) and the
-# API server (6443). A network load balancer with instance targets keeps the clients' source addresses,
-# which the join service identifies nodes by; a proxy would not do.
+# API server (6443). Cross-zone load balancing is on (a network load balancer's default is off), so that each
+# zone's address reaches the control-plane nodes of every zone, not only its own, which may have none.
 resource "aws_lb" "control_plane" {
-  name               = "${local.cluster_name}-cp"
-  internal           = true
-  load_balancer_type = "network"
-  subnets            = var.subnet_ids
-  security_groups    = [aws_security_group.control_plane_lb.id]
+  name                             = "${local.cluster_name}-cp"
+  internal                         = true
+  load_balancer_type               = "network"
+  subnets                          = var.subnet_ids
+  security_groups                  = [aws_security_group.control_plane_lb.id]
+  enable_cross_zone_load_balancing = true
 }
 
+# The join service identifies a node by its source address, so its target group keeps the clients' addresses.
+# A joining control-plane node is not sent to itself: its join service does not listen before it is a member,
+# so it fails the health check. Only before init, when no target is healthy and the load balancer sends to
+# any, can a node's attempt reach itself and go unanswered; its join client times out and tries again.
 resource "aws_lb_target_group" "join" {
   name               = "${local.cluster_name}-join"
   port               = 7450
@@ -135,13 +150,18 @@ resource "aws_lb_listener" "join" {
   }
 }
 
+# The API server needs no client address, and a control-plane node reaches it through the load balancer
+# (kubeadm's controlPlaneEndpoint, which kubeadm init, its kubelet and every joining control-plane node use):
+# with the client's address preserved, a connection the load balancer sends back to the node that opened it
+# would never complete, and kubeadm init would hang. Without it, the load balancer's own address is the
+# source and the connection completes wherever it lands.
 resource "aws_lb_target_group" "api" {
   name               = "${local.cluster_name}-api"
   port               = 6443
   protocol           = "TCP"
   vpc_id             = var.vpc_id
   target_type        = "instance"
-  preserve_client_ip = true
+  preserve_client_ip = false
 }
 
 resource "aws_lb_listener" "api" {
@@ -202,7 +222,8 @@ resource "aws_launch_template" "node" {
     instance_metadata_tags      = "disabled"
   }
 
-  # The encrypted state disk the agent keys with its LUKS2 volume (agent.yaml stateDisk: /dev/nvme1n1).
+  # The encrypted state disk the agent keys with its LUKS2 volume: agent.yaml names it by this device name
+  # (stateDisk: /dev/disk/by-ebs-name/sdb), which EBS reports to the instance whatever NVMe name it gets.
   block_device_mappings {
     device_name = "/dev/sdb"
     ebs {
@@ -213,11 +234,14 @@ resource "aws_launch_template" "node" {
   }
 }
 
+# Three control-plane nodes by default: etcd keeps its quorum when one fails or is replaced. The first the
+# group starts is initialized by berth_cluster; the others join it as control-plane nodes through the join
+# service, once the join policy admits them.
 resource "aws_autoscaling_group" "control_plane" {
   name                = local.control_plane_group
-  min_size            = 1
-  max_size            = 1
-  desired_capacity    = 1
+  min_size            = var.control_plane_nodes
+  max_size            = var.control_plane_nodes
+  desired_capacity    = var.control_plane_nodes
   vpc_zone_identifier = var.subnet_ids
   target_group_arns   = [aws_lb_target_group.join.arn, aws_lb_target_group.api.arn]
   launch_template {
@@ -256,6 +280,12 @@ resource "berth_cluster" "prod" {
   salt_wo                   = ephemeral.berth_secrets.cluster.salt
   kubernetes_ca_key_wo      = ephemeral.berth_secrets.cluster.kubernetes_ca_key
   join_ca_key_wo            = ephemeral.berth_secrets.cluster.join_ca_key
+
+  # Which instance initialized the cluster matters only at init: the data source lists the group's instances
+  # in no fixed order, and the group replaces failed ones. A new endpoint would otherwise plan a new cluster.
+  lifecycle {
+    ignore_changes = [endpoint, aws]
+  }
 }
 
 provider "berth" {

@@ -32,7 +32,8 @@ resource "aws_security_group" "control_plane" {
   name_prefix = "${local.cluster_name}-cp-"
   vpc_id      = var.vpc_id
 
-  # The load balancer keeps the clients' addresses, so these rules name the clients, not the balancer.
+  # The load balancer keeps the clients' addresses on the join port, so these rules name the clients; on the
+  # API server's port it connects from its own addresses in the VPC, which the VPC's range covers.
   ingress {
     description = "join service"
     from_port   = 7450

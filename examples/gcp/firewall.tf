@@ -9,7 +9,8 @@
 
 resource "google_compute_firewall" "join" {
   name                    = "${local.cluster_name}-join"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "join service, from the nodes"
   direction               = "INGRESS"
   source_ranges           = [var.subnet_cidr]
@@ -23,7 +24,8 @@ resource "google_compute_firewall" "join" {
 
 resource "google_compute_firewall" "api" {
   name                    = "${local.cluster_name}-api"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "API server, from the nodes and the operators"
   direction               = "INGRESS"
   source_ranges           = concat([var.subnet_cidr], var.operator_cidrs)
@@ -37,7 +39,8 @@ resource "google_compute_firewall" "api" {
 
 resource "google_compute_firewall" "init" {
   name                    = "${local.cluster_name}-init"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "init server: berth_cluster, once, from where Terraform runs"
   direction               = "INGRESS"
   source_ranges           = var.operator_cidrs
@@ -51,7 +54,8 @@ resource "google_compute_firewall" "init" {
 
 resource "google_compute_firewall" "etcd" {
   name                    = "${local.cluster_name}-etcd"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "etcd, between control-plane nodes only"
   direction               = "INGRESS"
   source_service_accounts = [google_service_account.control_plane.email]
@@ -65,7 +69,8 @@ resource "google_compute_firewall" "etcd" {
 
 resource "google_compute_firewall" "kubelet" {
   name                    = "${local.cluster_name}-kubelet"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "kubelet, from the control plane"
   direction               = "INGRESS"
   source_service_accounts = [google_service_account.control_plane.email]
@@ -81,7 +86,8 @@ resource "google_compute_firewall" "kubelet" {
 # tunnel carries pods' packets unauthenticated.
 resource "google_compute_firewall" "pod_network" {
   name                    = "${local.cluster_name}-pod-network"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "pod network: VXLAN (Flannel, Cilium), between nodes"
   direction               = "INGRESS"
   source_service_accounts = [google_service_account.control_plane.email, google_service_account.worker.email]
@@ -97,7 +103,8 @@ resource "google_compute_firewall" "pod_network" {
 # backends they find healthy.
 resource "google_compute_firewall" "health_checks" {
   name                    = "${local.cluster_name}-health-checks"
-  network                 = google_compute_network.cluster.id
+  project                 = local.network_project
+  network                 = local.network
   description             = "load balancer health checks"
   direction               = "INGRESS"
   source_ranges           = ["35.191.0.0/16", "130.211.0.0/22"]

@@ -54,9 +54,15 @@ variable "zones" {
 }
 
 variable "subnet_cidr" {
-  description = "The nodes' subnetwork; the internal load balancer takes one address of it."
+  description = "The nodes' subnetwork; the internal load balancer takes one address of it. With shared_vpc, the shared subnetwork's range."
   type        = string
   default     = "10.20.0.0/20"
+}
+
+variable "shared_vpc" {
+  description = "A Shared VPC subnetwork for the nodes instead of a network of their own: the host project's id and the names of its network and of the subnetwork in var.region shared with this project. The firewall rules are then made in the host project, and the node image's agent.yaml names the network (gcp.network; see \"Shared VPC\" in docs/guides/gcp.md)."
+  type        = object({ host_project = string, network = string, subnetwork = string })
+  default     = null
 }
 
 variable "operator_cidrs" {
@@ -106,6 +112,10 @@ locals {
   worker_group_key        = "${var.region}/${local.worker_group}"
   # One control-plane node; see "One control-plane node" in docs/guides/gcp.md.
   control_plane_size = 1
+  # The nodes' network: this project's own (network.tf), or a Shared VPC host project's.
+  network_project = var.shared_vpc == null ? var.project : var.shared_vpc.host_project
+  network         = var.shared_vpc == null ? google_compute_network.cluster[0].id : "projects/${var.shared_vpc.host_project}/global/networks/${var.shared_vpc.network}"
+  subnetwork      = var.shared_vpc == null ? google_compute_subnetwork.nodes[0].id : "projects/${var.shared_vpc.host_project}/regions/${var.region}/subnetworks/${var.shared_vpc.subnetwork}"
   # Compute Engine images are global: the manifest has one entry for the image, whatever the build's zone.
   image = one([for image in data.berth_image.node.images : image.artifact_id if image.name == var.image])
 }
@@ -135,7 +145,7 @@ ephemeral "berth_secrets" "cluster" {
 resource "google_compute_address" "control_plane" {
   name         = "${local.cluster_name}-control-plane"
   region       = var.region
-  subnetwork   = google_compute_subnetwork.nodes.id
+  subnetwork   = local.subnetwork
   address_type = "INTERNAL"
 }
 
@@ -174,8 +184,8 @@ resource "google_compute_forwarding_rule" "control_plane" {
   ip_address            = google_compute_address.control_plane.address
   ip_protocol           = "TCP"
   ports                 = ["6443", "7450"]
-  network               = google_compute_network.cluster.id
-  subnetwork            = google_compute_subnetwork.nodes.id
+  network               = local.network
+  subnetwork            = local.subnetwork
 }
 
 # The control-plane nodes' metadata: the init secret's hash (only they may initialize), their role, and the
@@ -241,7 +251,7 @@ resource "google_compute_instance_template" "node" {
   # No access_config: no external address. The nodes reach Google's APIs through Private Google Access and
   # everything else through Cloud NAT (network.tf).
   network_interface {
-    subnetwork = google_compute_subnetwork.nodes.id
+    subnetwork = local.subnetwork
   }
 
   metadata = {

@@ -1,0 +1,190 @@
+package provider
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/hashicorp/hcl/v2"
+	"github.com/hashicorp/hcl/v2/hclsyntax"
+	"github.com/zclconf/go-cty/cty"
+)
+
+// The cloud examples need providers this machine cannot download (hashicorp/aws, hashicorp/google), so
+// terraform validate never sees them. These tests read their HCL instead and keep each setting that a first
+// apply on the real cloud depends on, with the reason in the failure.
+
+// cloudExample is the blocks of every .tf file of an example directory.
+type cloudExample struct {
+	t      *testing.T
+	blocks hclsyntax.Blocks
+}
+
+func loadCloudExample(t *testing.T, dir string) cloudExample {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join("..", "examples", dir, "*.tf"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no .tf files in examples/%s: %v", dir, err)
+	}
+	var blocks hclsyntax.Blocks
+	for _, name := range files {
+		src, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, diags := hclsyntax.ParseConfig(src, name, hcl.InitialPos)
+		if diags.HasErrors() {
+			t.Fatal(diags)
+		}
+		blocks = append(blocks, f.Body.(*hclsyntax.Body).Blocks...)
+	}
+	return cloudExample{t: t, blocks: blocks}
+}
+
+// block is the top-level block of that type and those labels; it fails the test if there is none.
+func (e cloudExample) block(typ string, labels ...string) *hclsyntax.Block {
+	e.t.Helper()
+	for _, b := range e.blocks {
+		if b.Type == typ && slices.Equal(b.Labels, labels) {
+			return b
+		}
+	}
+	e.t.Fatalf("no %s %q block", typ, labels)
+	return nil
+}
+
+// literal is the value of an attribute that is a literal (true, 3, "udp", ["8472"]), or cty.NilVal.
+func literal(b *hclsyntax.Body, name string) cty.Value {
+	attr, ok := b.Attributes[name]
+	if !ok {
+		return cty.NilVal
+	}
+	v, diags := attr.Expr.Value(nil)
+	if diags.HasErrors() {
+		return cty.NilVal
+	}
+	return v
+}
+
+// references is the root.name references an attribute's expression makes (var.x, aws_security_group.y).
+func references(b *hclsyntax.Body, name string) []string {
+	attr, ok := b.Attributes[name]
+	if !ok {
+		return nil
+	}
+	var refs []string
+	for _, tr := range attr.Expr.Variables() {
+		parts := []string{tr.RootName()}
+		for _, step := range tr[1:] {
+			if a, ok := step.(hcl.TraverseAttr); ok {
+				parts = append(parts, a.Name)
+			}
+		}
+		refs = append(refs, strings.Join(parts, "."))
+	}
+	return refs
+}
+
+// ignoredChanges is what a block's lifecycle ignore_changes lists.
+func ignoredChanges(b *hclsyntax.Block) []string {
+	for _, lc := range b.Body.Blocks {
+		if lc.Type == "lifecycle" {
+			return references(lc.Body, "ignore_changes")
+		}
+	}
+	return nil
+}
+
+// allowsUDP8472 says whether a rule block (an AWS ingress or a GCP allow) opens UDP 8472, Flannel's VXLAN.
+func allowsUDP8472(b *hclsyntax.Body) bool {
+	proto := literal(b, "protocol")
+	if proto == cty.NilVal || proto.AsString() != "udp" {
+		return false
+	}
+	if from, to := literal(b, "from_port"), literal(b, "to_port"); from != cty.NilVal && to != cty.NilVal {
+		return from.Equals(cty.NumberIntVal(8472)).True() && to.Equals(cty.NumberIntVal(8472)).True()
+	}
+	ports := literal(b, "ports")
+	return ports != cty.NilVal && ports.LengthInt() == 1 && ports.Index(cty.NumberIntVal(0)).AsString() == "8472"
+}
+
+func TestAWSExampleFirstApply(t *testing.T) {
+	e := loadCloudExample(t, "aws")
+
+	lb := e.block("resource", "aws_lb", "control_plane").Body
+	if v := literal(lb, "enable_cross_zone_load_balancing"); v == cty.NilVal || v.False() {
+		t.Error("aws_lb.control_plane: enable_cross_zone_load_balancing must be true: a network load balancer's default is off, and a zone without a control-plane node would answer nothing")
+	}
+	if v := literal(e.block("resource", "aws_lb_target_group", "join").Body, "preserve_client_ip"); v == cty.NilVal || v.False() {
+		t.Error("aws_lb_target_group.join: preserve_client_ip must be true: the join service admits nodes by their source address")
+	}
+	if v := literal(e.block("resource", "aws_lb_target_group", "api").Body, "preserve_client_ip"); v == cty.NilVal || v.True() {
+		t.Error("aws_lb_target_group.api: preserve_client_ip must be false: a node reaching its own API server through the load balancer (kubeadm init) would hang")
+	}
+
+	if v := literal(e.block("variable", "control_plane_nodes").Body, "default"); v == cty.NilVal || !v.Equals(cty.NumberIntVal(3)).True() {
+		t.Errorf("variable control_plane_nodes defaults to %#v, want 3: one control-plane node is a cluster that dies with its instance", v)
+	}
+	group := e.block("resource", "aws_autoscaling_group", "control_plane").Body
+	for _, size := range []string{"min_size", "max_size", "desired_capacity"} {
+		if refs := references(group, size); !slices.Equal(refs, []string{"var.control_plane_nodes"}) {
+			t.Errorf("aws_autoscaling_group.control_plane: %s is %v, want var.control_plane_nodes", size, refs)
+		}
+	}
+	if ignored := ignoredChanges(e.block("resource", "berth_cluster", "prod")); !slices.Contains(ignored, "endpoint") || !slices.Contains(ignored, "aws") {
+		t.Errorf("berth_cluster.prod ignores changes of %v, want endpoint and aws: the instance that initialized the cluster matters only at init, and the group lists several in no fixed order", ignored)
+	}
+
+	pods := e.block("resource", "aws_security_group", "pod_network").Body
+	opened := false
+	for _, rule := range pods.Blocks {
+		if rule.Type == "ingress" && allowsUDP8472(rule.Body) {
+			selfRule := literal(rule.Body, "self")
+			opened = selfRule != cty.NilVal && selfRule.True()
+		}
+	}
+	if !opened {
+		t.Error("aws_security_group.pod_network must let its members send UDP 8472 (Flannel's VXLAN) to each other")
+	}
+	nodes := e.block("resource", "aws_launch_template", "node").Body
+	if !slices.Contains(references(nodes, "vpc_security_group_ids"), "aws_security_group.pod_network.id") {
+		t.Error("aws_launch_template.node must put every node in aws_security_group.pod_network")
+	}
+}
+
+func TestGCPExampleFirstApply(t *testing.T) {
+	e := loadCloudExample(t, "gcp")
+	rule := e.block("resource", "google_compute_firewall", "pod_network").Body
+	opened := false
+	for _, allow := range rule.Blocks {
+		opened = opened || (allow.Type == "allow" && allowsUDP8472(allow.Body))
+	}
+	if !opened {
+		t.Error("google_compute_firewall.pod_network must allow UDP 8472 (Flannel's VXLAN) between nodes")
+	}
+	if ignored := ignoredChanges(e.block("resource", "berth_cluster", "prod")); !slices.Contains(ignored, "endpoint") || !slices.Contains(ignored, "gcp") {
+		t.Errorf("berth_cluster.prod ignores changes of %v, want endpoint and gcp", ignored)
+	}
+
+	// A Shared VPC: the network's resources are the host project's, and the rules are made there.
+	for _, b := range e.blocks {
+		if b.Type != "resource" || len(b.Labels) != 2 {
+			continue
+		}
+		switch b.Labels[0] {
+		case "google_compute_network", "google_compute_subnetwork", "google_compute_router", "google_compute_router_nat":
+			if refs := references(b.Body, "count"); !slices.Equal(refs, []string{"var.shared_vpc"}) {
+				t.Errorf("%s.%s: count depends on %v, want var.shared_vpc: with a Shared VPC the host project owns it", b.Labels[0], b.Labels[1], refs)
+			}
+		case "google_compute_firewall":
+			if refs := references(b.Body, "project"); !slices.Equal(refs, []string{"local.network_project"}) {
+				t.Errorf("google_compute_firewall.%s: project is %v, want local.network_project: a Shared VPC's rules live in its host project", b.Labels[1], refs)
+			}
+			if refs := references(b.Body, "network"); !slices.Equal(refs, []string{"local.network"}) {
+				t.Errorf("google_compute_firewall.%s: network is %v, want local.network", b.Labels[1], refs)
+			}
+		}
+	}
+}
