@@ -2,7 +2,9 @@
 # Makes a Debian 12 virtual machine disk that stands in for a cloud's Debian image in Packer builds on this
 # machine (examples/packer/qemu.pkr.hcl): a GPT raw disk with an empty EFI system partition (mounted on
 # /boot/efi) and an ext4 root from mmdebstrap (systemd, udev, openssh-server, linux-image-cloud-amd64 and its
-# initramfs-tools initrd, DHCP by systemd-networkd), root's SSH login by a key made here. The machine boots it
+# initramfs-tools initrd, DHCP by systemd-networkd), root's SSH login by a key made here. It also carries
+# the Debian packages a node needs (berth-node's default packages): on a cloud, berth-node installs them from
+# the archive, but the tests that build this machine reach no archive. The machine boots it
 # with the kernel and initrd given to QEMU directly, as a cloud's boot loader would hand them over, so the
 # image has no boot loader until berth-uki-install installs a UKI.
 #
@@ -30,6 +32,8 @@ done
 suite=bookworm
 mirror=http://deb.debian.org/debian
 packages=systemd-sysv,udev,dbus,kmod,linux-image-cloud-amd64,initramfs-tools,openssh-server,ca-certificates
+# packer/provisioner/node's DefaultPackages.
+packages+=,containerd,runc,containernetworking-plugins,conntrack,socat,ethtool,iptables
 # Fixed ids: the command line and fstab name the file systems by them.
 root_uuid=6b1e9a62-3c5e-4d7b-9d0e-2f8a1c4b5e70
 esp_id=B3E70001

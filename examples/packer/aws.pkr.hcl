@@ -1,8 +1,10 @@
 # An AMI for EC2 instances with NitroTPM that boots a unified kernel image (UKI) whose TPM measurements
 # berth-image.json predicts, so that a join policy admits exactly the nodes launched from it.
 #
-# The build instance is Debian 12's own AMI. The berth-agent provisioner installs the agent, its unit and
-# aws/agent.yaml; berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
+# The build instance is Debian 12's own AMI. The berth-agent provisioner installs the agent, its unit,
+# aws/agent.yaml, kubeadm and the kubelet; berth-node makes the instance a Kubernetes node (containerd and the
+# tools kubeadm runs from Debian's archive, the kubelet's unit, kernel settings, the pause image, and an image
+# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
 # and the build instance's own kernel, initrd, os-release and command line, and installs it on the instance's
 # EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays
 # zero) from that same file and records them with the AMI id of each region.
@@ -31,7 +33,8 @@
 #   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
 #   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
 #   cd examples/packer && packer init aws.pkr.hcl
-#   packer build -var "stub=$parts/linuxx64.efi.stub" -var agent_binary=/tmp/berth-agent aws.pkr.hcl
+#   # kubernetes.pkrvars.hcl: kubernetes_files (kubeadm, kubelet, kubectl with their SHA-256; docs/guides/aws.md)
+#   packer build -var "stub=$parts/linuxx64.efi.stub" -var agent_binary=/tmp/berth-agent -var-file=kubernetes.pkrvars.hcl aws.pkr.hcl
 
 packer {
   required_plugins {
@@ -86,7 +89,7 @@ variable "kubernetes_files" {
     destination = string
     sha256      = string
   }))
-  description = "kubeadm, kubelet and kubectl, each pinned by its SHA-256."
+  description = "kubeadm, kubelet (destination /usr/bin/kubelet) and kubectl, each pinned by its SHA-256; berth-node refuses an image without kubeadm and the kubelet."
   default     = []
 }
 
@@ -190,6 +193,14 @@ build {
     agent_config    = "${path.root}/aws/agent.yaml"
     execute_command = "sudo -n sh '{{.Path}}'"
 
+    # The link agent.yaml names the state disk by.
+    files {
+      source      = "${path.root}/aws/90-berth-ebs.rules"
+      destination = "/etc/udev/rules.d/90-berth-ebs.rules"
+      sha256      = sha256(file("${path.root}/aws/90-berth-ebs.rules"))
+      mode        = "0644"
+    }
+
     dynamic "files" {
       for_each = var.kubernetes_files
       content {
@@ -198,6 +209,11 @@ build {
         sha256      = files.value.sha256
       }
     }
+  }
+
+  # After berth-agent, whose kubeadm and kubelet it checks for; its apt-get runs with apt's timers masked.
+  provisioner "berth-node" {
+    execute_command = "sudo -n sh '{{.Path}}'"
   }
 
   # Last, so that nothing after it changes the kernel or initrd it embeds. The command line is the build

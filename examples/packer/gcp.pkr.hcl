@@ -2,8 +2,10 @@
 # TPM measurements berth-image.json predicts, so that a join policy admits exactly the nodes launched from it.
 #
 # The path is the AWS image's (aws.pkr.hcl): the build instance is Debian 12's own GCE image (family
-# debian-12 of the project debian-cloud); the berth-agent provisioner installs the agent, its unit and
-# gcp/agent.yaml; berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
+# debian-12 of the project debian-cloud); the berth-agent provisioner installs the agent, its unit,
+# gcp/agent.yaml, kubeadm and the kubelet; berth-node makes the instance a Kubernetes node (containerd and the
+# tools kubeadm runs from Debian's archive, the kubelet's unit, kernel settings, the pause image, and an image
+# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
 # and the build instance's own kernel, initrd, os-release and command line, and installs it on the instance's
 # EFI system partition as EFI/BOOT/BOOTX64.EFI; googlecompute stops the instance and makes the image from its
 # boot disk; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays zero) from that same file and records
@@ -50,7 +52,9 @@
 #   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
 #   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
 #   cd examples/packer && packer init gcp.pkr.hcl
-#   packer build -var project_id=my-project -var "stub=$parts/linuxx64.efi.stub" -var agent_binary=/tmp/berth-agent gcp.pkr.hcl
+#   # kubernetes.pkrvars.hcl: kubernetes_files (kubeadm, kubelet, kubectl with their SHA-256; docs/guides/gcp.md)
+#   packer build -var project_id=my-project -var "stub=$parts/linuxx64.efi.stub" -var agent_binary=/tmp/berth-agent \
+#     -var-file=kubernetes.pkrvars.hcl gcp.pkr.hcl
 #
 # Credentials are Google's application default ones (gcloud auth application-default login, or
 # GOOGLE_APPLICATION_CREDENTIALS naming a service account key).
@@ -113,7 +117,7 @@ variable "kubernetes_files" {
     destination = string
     sha256      = string
   }))
-  description = "kubeadm, kubelet and kubectl, each pinned by its SHA-256."
+  description = "kubeadm, kubelet (destination /usr/bin/kubelet) and kubectl, each pinned by its SHA-256; berth-node refuses an image without kubeadm and the kubelet."
   default     = []
 }
 
@@ -212,6 +216,11 @@ build {
         sha256      = files.value.sha256
       }
     }
+  }
+
+  # After berth-agent, whose kubeadm and kubelet it checks for; its apt-get runs with apt's timers masked.
+  provisioner "berth-node" {
+    execute_command = "sudo -n sh '{{.Path}}'"
   }
 
   # Last, so that nothing after it changes the kernel or initrd it embeds. The command line is the build

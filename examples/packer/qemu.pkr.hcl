@@ -1,8 +1,10 @@
 # The AWS image's path (aws.pkr.hcl) on this machine, with the real qemu builder instead of EC2: a Debian 12
 # machine made by scripts/debian-vm.sh boots with its kernel and initrd handed over directly, as a cloud's
-# boot loader would hand them over; berth-uki-install downloads them over SSH with the machine's own command
-# line, assembles the UKI here and installs it on the machine's EFI system partition as EFI/BOOT/BOOTX64.EFI;
-# berth-manifest predicts the PCRs from the same file. The disk Packer writes then boots the UKI under OVMF
+# boot loader would hand them over; berth-agent installs the agent, kubeadm and the kubelet, berth-node makes
+# the machine a Kubernetes node (containerd, the kubelet's unit, kernel settings, a generic image);
+# berth-uki-install downloads the kernel and initrd over SSH with the machine's own command line, assembles
+# the UKI here and installs it on the machine's EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest
+# predicts the PCRs from the same file. The disk Packer writes then boots the UKI under OVMF
 # with no other boot option, and its TPM holds the predicted PCR 4, 9, 11 and 12
 # (TestAccQEMUImage in packer/provisioner/ukiinstall boots it with a swtpm and compares).
 #
@@ -11,7 +13,12 @@
 #
 #   vm=$(scripts/debian-vm.sh); parts=$(scripts/boot-parts.sh)     # as root
 #   export PACKER_PLUGIN_PATH=$(scripts/build-packer-qemu.sh)       # plus packer-plugin-berth (make packer-plugin)
-#   packer build -var "vm=$vm" -var "stub=$parts/linuxx64.efi.stub" qemu.pkr.hcl
+#   packer build -var "vm=$vm" -var "stub=$parts/linuxx64.efi.stub" -var "agent_binary=…" \
+#     -var 'kubernetes_files=[{source="…/kubelet", destination="/usr/bin/kubelet", sha256="…"}, …]' qemu.pkr.hcl
+#
+# scripts/debian-vm.sh's machine carries the node's Debian packages already (the tests that build this
+# template reach no archive), so berth-node installs nothing; a machine without them gets them from its
+# archive over QEMU's user network.
 
 packer {
   required_plugins {
@@ -34,6 +41,47 @@ variable "vm" {
 variable "stub" {
   type        = string
   description = "systemd-stub 252 on this machine, from Debian 12's systemd-boot-efi (scripts/boot-parts.sh)."
+}
+
+variable "agent_binary" {
+  type        = string
+  description = "A static berth-agent (CGO_ENABLED=0 go build ./nodeagent/cmd/berth-agent)."
+}
+
+variable "agent_sha256" {
+  type        = string
+  description = "The SHA-256 agent_binary must have; empty accepts any."
+  default     = ""
+}
+
+variable "agent_config" {
+  type        = string
+  description = "The agent's configuration (agent.yaml); empty bakes none."
+  default     = ""
+}
+
+variable "kubernetes_files" {
+  type = list(object({
+    source      = string
+    destination = string
+    sha256      = string
+  }))
+  description = "kubeadm, kubelet and kubectl, each pinned by its SHA-256."
+}
+
+variable "images" {
+  type        = list(string)
+  description = "Container images the machine pulls and keeps; null keeps berth-node's default (the pause image)."
+  default     = null
+}
+
+variable "image_archives" {
+  type = list(object({
+    source = string
+    sha256 = string
+  }))
+  description = "Container image archives to keep in the image, each pinned by its SHA-256."
+  default     = []
 }
 
 variable "output_directory" {
@@ -90,6 +138,34 @@ source "qemu" "node" {
 build {
   sources = ["source.qemu.node"]
 
+  provisioner "berth-agent" {
+    agent_binary = var.agent_binary
+    agent_sha256 = var.agent_sha256
+    agent_config = var.agent_config
+
+    dynamic "files" {
+      for_each = var.kubernetes_files
+      content {
+        source      = files.value.source
+        destination = files.value.destination
+        sha256      = files.value.sha256
+      }
+    }
+  }
+
+  provisioner "berth-node" {
+    images = var.images
+
+    dynamic "image_archives" {
+      for_each = var.image_archives
+      content {
+        source = image_archives.value.source
+        sha256 = image_archives.value.sha256
+      }
+    }
+  }
+
+  # Last, so that nothing after it changes the kernel or initrd it embeds.
   provisioner "berth-uki-install" {
     stub   = var.stub
     output = var.uki
