@@ -311,6 +311,10 @@ func JoinConfig(p JoinParams) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The agent writes kubelet.conf from its ticket before kubeadm join runs, so that the kubelet starts with
+	// the certificate the join service issued instead of bootstrapping its own: kubeadm's check that the file
+	// is absent would refuse every join.
+	nodeReg.IgnorePreflightErrors = []string{kubeletConfPreflightCheck}
 	if err := validateSkipPhases(p.SkipPhases); err != nil {
 		return nil, err
 	}
@@ -342,6 +346,9 @@ func JoinConfig(p JoinParams) ([]byte, error) {
 	}
 	return marshalDocuments(cfg)
 }
+
+// kubeletConfPreflightCheck is kubeadm's check that /etc/kubernetes/kubelet.conf does not exist yet.
+const kubeletConfPreflightCheck = "FileAvailable--etc-kubernetes-kubelet.conf"
 
 func typeMeta(kind string) metav1.TypeMeta {
 	return metav1.TypeMeta{APIVersion: v1beta4.SchemeGroupVersion.String(), Kind: kind}

@@ -351,6 +351,7 @@ func TestJoinConfigWorker(t *testing.T) {
 				{Name: "node-ip", Value: "10.0.1.21"},
 				{Name: "node-labels", Value: "berth.dev/pool=a"},
 			},
+			IgnorePreflightErrors: []string{"FileAvailable--etc-kubernetes-kubelet.conf"},
 		},
 		Discovery: v1beta4.Discovery{BootstrapToken: &v1beta4.BootstrapTokenDiscovery{
 			Token:             testToken,
@@ -401,6 +402,7 @@ func TestJoinConfigControlPlane(t *testing.T) {
 			{Name: "node-ip", Value: "10.0.0.11"},
 			{Name: "node-labels", Value: "berth.dev/pool=a"},
 		},
+		IgnorePreflightErrors: []string{"FileAvailable--etc-kubernetes-kubelet.conf"},
 	})
 
 	p.ControlPlane.BindPort = 7443
