@@ -8,9 +8,20 @@ import (
 	"io"
 	"os"
 	"path"
+	"regexp"
 
 	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 )
+
+var sha256Hex = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
+// CheckSHA256 refuses what is not a SHA-256 as Hash writes it: 64 lowercase hex digits.
+func CheckSHA256(s string) error {
+	if !sha256Hex.MatchString(s) {
+		return fmt.Errorf("%q is not a SHA-256: want 64 lowercase hex digits", s)
+	}
+	return nil
+}
 
 // File is what a provisioner uploads: a local file, or content the plugin holds.
 type File struct {

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"path"
-	"regexp"
 	"strconv"
 	"strings"
 	"unicode"
@@ -118,7 +117,7 @@ func (c *Config) Prepare(raws ...any) error {
 		errs = append(errs, fmt.Errorf("agent_binary: %w", err))
 	}
 	if c.AgentSHA256 != "" {
-		if err := checkSHA256(c.AgentSHA256); err != nil {
+		if err := remote.CheckSHA256(c.AgentSHA256); err != nil {
 			errs = append(errs, fmt.Errorf("agent_sha256: %w", err))
 		}
 	}
@@ -180,7 +179,7 @@ func checkFile(option string, f File) (item, []error) {
 	}
 	if f.SHA256 == "" {
 		errs = append(errs, fmt.Errorf("%s: sha256 is required: the file's SHA-256 as 64 lowercase hex digits", option))
-	} else if err := checkSHA256(f.SHA256); err != nil {
+	} else if err := remote.CheckSHA256(f.SHA256); err != nil {
 		errs = append(errs, fmt.Errorf("%s: sha256: %w", option, err))
 	}
 	mode, err := parseMode(cmp.Or(f.Mode, DefaultMode))
@@ -189,15 +188,6 @@ func checkFile(option string, f File) (item, []error) {
 	}
 	it.mode = mode
 	return it, errs
-}
-
-var sha256Hex = regexp.MustCompile(`^[0-9a-f]{64}$`)
-
-func checkSHA256(s string) error {
-	if !sha256Hex.MatchString(s) {
-		return fmt.Errorf("%q is not a SHA-256: want 64 lowercase hex digits", s)
-	}
-	return nil
 }
 
 // parseMode returns an octal mode as install -m takes it, with four digits.

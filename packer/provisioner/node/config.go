@@ -26,10 +26,11 @@ const (
 )
 
 // DefaultPackages are Debian's packages of what kubeadm join and a pod network need on a node: the container
-// runtime, the CNI plugins, and the tools kubeadm's preflight checks and kube-proxy run.
+// runtime, the CNI plugins, and the tools kubeadm's preflight checks and kube-proxy run; and cryptsetup, with
+// which the agent opens its state disk.
 var DefaultPackages = []string{
 	"containerd", "runc", "containernetworking-plugins", "conntrack", "socat", "ethtool", "iptables", "kmod",
-	"ca-certificates",
+	"ca-certificates", "cryptsetup-bin",
 }
 
 // Config is the provisioner's configuration.
@@ -84,8 +85,6 @@ var debianPackage = regexp.MustCompile(`^[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?$`)
 // characters is a mistake the build should name now, not containerd later.
 var imageReference = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/:@-]*$`)
 
-var sha256Hex = regexp.MustCompile(`^[0-9a-f]{64}$`)
-
 // Prepare decodes and checks the configuration, naming every problem at once.
 func (c *Config) Prepare(raws ...any) error {
 	err := config.Decode(c, &config.DecodeOpts{
@@ -137,8 +136,8 @@ func (c *Config) Prepare(raws ...any) error {
 		} else if err := remote.CheckSource(a.Source); err != nil {
 			errs = append(errs, fmt.Errorf("image_archives[%d]: source: %w", i, err))
 		}
-		if !sha256Hex.MatchString(a.SHA256) {
-			errs = append(errs, fmt.Errorf("image_archives[%d]: sha256 %q is not a SHA-256: want 64 lowercase hex digits", i, a.SHA256))
+		if err := remote.CheckSHA256(a.SHA256); err != nil {
+			errs = append(errs, fmt.Errorf("image_archives[%d]: sha256: %w", i, err))
 		}
 	}
 	if c.ContainerdConfig != "" {

@@ -88,7 +88,7 @@ image_archives {
 		`cni_bin_dir: "opt/cni/bin" is not an absolute path`,
 		"staging_directory: the staging directory is removed afterwards",
 		"image_archives[0]: source: stat /nonexistent/pause.tar",
-		`image_archives[0]: sha256 "abc" is not a SHA-256`,
+		`image_archives[0]: sha256: "abc" is not a SHA-256`,
 		"image_archives[1]: source is required",
 	} {
 		if !strings.Contains(err.Error(), want) {
