@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"math/big"
 	"net"
@@ -304,22 +303,9 @@ func setPolicy(ctx context.Context, t *testing.T, l *Lab, images ...string) {
 	t.Helper()
 	p := &policy.Policy{}
 	for _, name := range images {
-		p.Images = append(p.Images, policy.Image{Name: name, PCRs: PredictedPCRs(name),
-			Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}})
+		p.Images = append(p.Images, LabImage(name))
 	}
-	doc, err := p.Marshal()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cm, err := json.Marshal(map[string]any{
-		"apiVersion": "v1", "kind": "ConfigMap",
-		"metadata": map[string]any{"name": "berth-join-policy", "namespace": "kube-system"},
-		"data":     map[string]string{policy.ConfigMapKey: string(doc)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := l.kubectlStdin(ctx, string(cm), "apply", "-f", "-"); err != nil {
+	if err := l.SetPolicy(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 )
@@ -21,6 +22,13 @@ func Down(ctx context.Context, dir string) error {
 	}
 	for _, ns := range labNetns() {
 		if _, err := run(ctx, "ip", "netns", "del", ns); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// A namespace goes, and its veths with it, only once the kernel has let go of it, which can take longer
+	// than Down: removing the host's ends now takes both.
+	for _, veth := range labVeths() {
+		if _, err := run(ctx, "ip", "link", "del", veth); err != nil && slices.Contains(labVeths(), veth) {
 			errs = append(errs, err)
 		}
 	}
@@ -51,6 +59,23 @@ func Down(ctx context.Context, dir string) error {
 	return errors.Join(errs...)
 }
 
+// labVeths are the host's ends of the lab's veths.
+func labVeths() []string {
+	links, err := run(context.Background(), "ip", "-o", "link", "show")
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, l := range strings.Split(links, "\n") {
+		// "812: bl-cp-0@if2: <BROADCAST,…": the name ends at the peer's index.
+		if f := strings.Fields(l); len(f) > 1 && strings.HasPrefix(f[1], vethPrefix) {
+			name, _, _ := strings.Cut(strings.TrimSuffix(f[1], ":"), "@")
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
 // Leftovers lists what of a lab is still on the host; empty after Down.
 func Leftovers(dir string) []string {
 	var out []string
@@ -63,12 +88,8 @@ func Leftovers(dir string) []string {
 	if _, err := run(context.Background(), "ip", "link", "show", bridgeName); err == nil {
 		out = append(out, "bridge "+bridgeName)
 	}
-	if links, err := run(context.Background(), "ip", "-o", "link", "show"); err == nil {
-		for _, l := range strings.Split(links, "\n") {
-			if f := strings.Fields(l); len(f) > 1 && strings.HasPrefix(f[1], vethPrefix) {
-				out = append(out, "veth "+strings.TrimSuffix(f[1], ":"))
-			}
-		}
+	for _, veth := range labVeths() {
+		out = append(out, "veth "+veth)
 	}
 	for _, m := range labMounts(dir) {
 		out = append(out, "mount "+m)

@@ -178,7 +178,7 @@ func TestKubeadmImages(t *testing.T) {
 		t.Fatalf("kubeadm config images list: %v", err)
 	}
 	got := strings.Fields(string(out))
-	want := []string{pauseImage, etcdImage, kubeProxyImage, corednsImage}
+	want := []string{pauseImage, etcdImage, kubeProxyImage, CoreDNSImage}
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
 		want = append(want, "registry.k8s.io/"+c+":"+KubernetesVersion)
 	}
@@ -191,9 +191,9 @@ func TestKubeadmImages(t *testing.T) {
 	if err != nil {
 		t.Fatalf("coredns -version: %v", err)
 	}
-	_, tag, _ := strings.Cut(corednsImage, ":v")
+	_, tag, _ := strings.Cut(CoreDNSImage, ":v")
 	if !strings.Contains(string(version), "CoreDNS-"+tag+"\n") {
-		t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm's image is %s", version, corednsImage)
+		t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm's image is %s", version, CoreDNSImage)
 	}
 	// The lab's agents take the default Flannel image, so the lab's build must carry the default's name.
 	if FlannelImage != podnetwork.DefaultFlannelImage {

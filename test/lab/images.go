@@ -22,8 +22,9 @@ const (
 	pauseImage     = "registry.k8s.io/pause:3.10.2"
 	etcdImage      = "registry.k8s.io/etcd:3.6.8-0"
 	kubeProxyImage = "registry.k8s.io/kube-proxy:" + KubernetesVersion
-	corednsImage   = "registry.k8s.io/coredns/coredns:v1.14.2"
-	WorkloadImage  = "berthlab.local/sleeper:v1"
+	// CoreDNSImage is CoreDNS built from test/corednstools.
+	CoreDNSImage  = "registry.k8s.io/coredns/coredns:v1.14.2"
+	WorkloadImage = "berthlab.local/sleeper:v1"
 	// ProbeImage serves and fetches over HTTP (test/lab/probe): the pod network's and the Services' test.
 	ProbeImage = "berthlab.local/probe:v1"
 	// FlannelImage is flanneld built from test/flanneltools/go.mod, under the name upstream's manifest
@@ -116,7 +117,7 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 		{Name: ProbeImage, Files: []ImageFile{{Path: "probe", Src: probeBin, Mode: 0o755}}, Entrypoint: []string{"/probe"}},
 		{Name: kubeProxyImage, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}},
 		// CoreDNS's Deployment runs the image's entrypoint with -conf.
-		{Name: corednsImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
+		{Name: CoreDNSImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
 		// Laid out as upstream's: the manifest runs /opt/bin/flanneld, which runs iptables and ip6tables
 		// (and their -restore) from PATH.
 		{

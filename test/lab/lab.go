@@ -339,17 +339,23 @@ func Open(dir string) (*Lab, error) {
 // Up brings a whole lab up in this process: the host, the nodes, the attested init of the first node (which
 // must be a control-plane node), and waits until every node is Ready.
 func Up(ctx context.Context, cfg Config) (*Lab, error) {
-	if len(cfg.Nodes) == 0 || cfg.Nodes[0].Role != metadata.RoleControlPlane {
-		return nil, errors.New("the first lab node must be a control-plane node: it is the one initialized")
+	if err := checkSpecs(cfg.Nodes); err != nil {
+		return nil, err
 	}
 	l, err := StartHost(ctx, cfg.HostConfig)
 	if err != nil {
 		return l, err
 	}
-	return l, l.up(ctx, cfg.Nodes)
+	return l, l.InitCluster(ctx, cfg.Nodes)
 }
 
-func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
+// InitCluster does on a host StartHost started what Up does after it: it makes the cluster's secrets, adds
+// the nodes of specs (the first a control-plane node), initializes the first through the attested init
+// client and waits until every node is Ready.
+func (l *Lab) InitCluster(ctx context.Context, specs []NodeSpec) error {
+	if err := checkSpecs(specs); err != nil {
+		return err
+	}
 	l.progress("cluster secrets and CAs (as terraform's berth_secrets makes them)")
 	secrets, err := newSecrets()
 	if err != nil {
@@ -385,6 +391,13 @@ func (l *Lab) up(ctx context.Context, specs []NodeSpec) error {
 	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
 	defer cancel()
 	return l.WaitReady(ctx, l.Nodes)
+}
+
+func checkSpecs(specs []NodeSpec) error {
+	if len(specs) == 0 || specs[0].Role != metadata.RoleControlPlane {
+		return errors.New("the first lab node must be a control-plane node: it is the one initialized")
+	}
+	return nil
 }
 
 // machine is the next machine of a lab Up made: the next address, the first image, the cluster's user-data.
@@ -518,8 +531,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 	// from berth_image: a node whose PCR 11 differs fails the init here.
 	image := ImageNames[0]
 	expected := PredictedPCRs(image)
-	pol, err := (&policy.Policy{Images: []policy.Image{{Name: image, PCRs: PredictedPCRs(image),
-		Roles: []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}}}}).Marshal()
+	pol, err := (&policy.Policy{Images: []policy.Image{LabImage(image)}}).Marshal()
 	if err != nil {
 		return nil, err
 	}

@@ -110,7 +110,7 @@ func TestLab(t *testing.T) {
 	if err := l.WaitAddons(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := l.ServeProbe(ctx, "web", []*Node{cp1, l.Node("worker-0")}); err != nil {
+	if err := l.ServeProbe(ctx, "web", []string{cp1.Name, "worker-0"}); err != nil {
 		t.Fatal(err)
 	}
 	checkServiceReached(ctx, t, l, "web", "fetch-before-reboot", w)

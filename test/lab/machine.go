@@ -62,7 +62,7 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 		}
 		m.UserData = ud
 	}
-	if err := checkMachine(m); err != nil {
+	if err := checkMachine(m, ImageNames); err != nil {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
 	}
 	n := l.newNode(m)
@@ -90,24 +90,11 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 		}
 		n.ec2, n.InstanceID = inst, inst.ID
 	}
-	err := l.withLock(func() error {
-		doc, err := readDocument(l.path(documentFile))
-		if err != nil {
-			return err
-		}
-		if err := admit(doc, m); err != nil {
-			return err
-		}
+	err := l.list(m, func() error {
 		if _, err := os.Stat(n.Dir); err == nil {
 			return fmt.Errorf("%s exists from an earlier node of that name (berth-lab node down --name %s removes it)", n.Dir, m.Name)
 		}
-		if err := os.MkdirAll(n.Dir, 0o700); err != nil {
-			return err
-		}
-		if err := writeJSON(l.path(documentFile), doc); err != nil {
-			return err
-		}
-		return l.writeHosts(doc)
+		return os.MkdirAll(n.Dir, 0o700)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
@@ -196,8 +183,9 @@ func cloudInitUserData(doc string) (metadata.UserData, error) {
 	return metadata.UserData{}, fmt.Errorf("the cloud-config writes no %s", cloudinit.UserDataPath)
 }
 
-// checkMachine checks what a machine asks for on its own; admit checks it against the lab's other nodes.
-func checkMachine(m Machine) error {
+// checkMachine checks what a machine asks for on its own; admit checks it against the lab's other nodes. Its
+// image must be one of images, or any name if images is nil.
+func checkMachine(m Machine, images []string) error {
 	if err := checkNodeName(m.Name); err != nil {
 		return err
 	}
@@ -213,8 +201,11 @@ func checkMachine(m Machine) error {
 	case a == labSubnet.Addr() || a.As4()[3] == 255:
 		return fmt.Errorf("address %s is the network's or its broadcast address", a)
 	}
-	if !slices.Contains(ImageNames, m.Image) {
-		return fmt.Errorf("image %q is not one of the lab's images (%s)", m.Image, strings.Join(ImageNames, ", "))
+	switch {
+	case images == nil && m.Image == "":
+		return errors.New("the machine names no image")
+	case images != nil && !slices.Contains(images, m.Image):
+		return fmt.Errorf("image %q is not one of the lab's images (%s)", m.Image, strings.Join(images, ", "))
 	}
 	if err := m.UserData.Validate(); err != nil {
 		return fmt.Errorf("user-data: %w", err)
@@ -231,6 +222,29 @@ func checkNodeName(name string) error {
 		return fmt.Errorf("node name %q is longer than %d characters: its veth %s%s would not fit the kernel's 15", name, maxNodeName, vethPrefix, name)
 	}
 	return nil
+}
+
+// list lists the machine in the metadata document and the nodes' /etc/hosts, under the lab's lock; prepare,
+// if set, runs once the machine is admitted and before anything is written.
+func (l *Lab) list(m Machine, prepare func() error) error {
+	return l.withLock(func() error {
+		doc, err := readDocument(l.path(documentFile))
+		if err != nil {
+			return err
+		}
+		if err := admit(doc, m); err != nil {
+			return err
+		}
+		if prepare != nil {
+			if err := prepare(); err != nil {
+				return err
+			}
+		}
+		if err := writeJSON(l.path(documentFile), doc); err != nil {
+			return err
+		}
+		return l.writeHosts(doc)
+	})
 }
 
 // admit adds the machine to the metadata document: its name and address must be new, and its user-data

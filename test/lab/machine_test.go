@@ -45,7 +45,7 @@ func TestCheckMachine(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			m := testMachine("worker-0", "10.250.0.20", "")
 			tc.mutate(&m)
-			err := checkMachine(m)
+			err := checkMachine(m, ImageNames)
 			if tc.wantErr == "" {
 				if err != nil {
 					t.Fatal(err)
@@ -56,6 +56,19 @@ func TestCheckMachine(t *testing.T) {
 				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
 			}
 		})
+	}
+}
+
+// A machine outside the lab (ListMachine) may run any image the join policy names, but must name one.
+func TestCheckOutsideMachine(t *testing.T) {
+	m := testMachine("vm-0", "10.250.0.40", "")
+	m.Image = "berth-node-qemu"
+	if err := checkMachine(m, nil); err != nil {
+		t.Fatal(err)
+	}
+	m.Image = ""
+	if err := checkMachine(m, nil); err == nil || !strings.Contains(err.Error(), "names no image") {
+		t.Fatalf("error %v, want one saying the machine names no image", err)
 	}
 }
 

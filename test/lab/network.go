@@ -26,14 +26,10 @@ func (l *Lab) WaitAddons(ctx context.Context) error {
 	return nil
 }
 
-// ServeProbe runs the Deployment name of the probe image, one replica on each of nodes (control-plane nodes
-// too), behind a ClusterIP Service of the same name, and waits until every replica is ready: its kubelet
+// ServeProbe runs the Deployment name of the probe image, one replica on each of the nodes named (control-plane
+// nodes too), behind a ClusterIP Service of the same name, and waits until every replica is ready: its kubelet
 // reached it over its node's pod bridge.
-func (l *Lab) ServeProbe(ctx context.Context, name string, nodes []*Node) error {
-	var names []string
-	for _, n := range nodes {
-		names = append(names, n.Name)
-	}
+func (l *Lab) ServeProbe(ctx context.Context, name string, nodes []string) error {
 	manifest := fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata: {name: %[1]s, namespace: default}
@@ -69,7 +65,7 @@ metadata: {name: %[1]s, namespace: default}
 spec:
   selector: {app: %[1]s}
   ports: [{port: %[5]d, targetPort: %[5]d}]
-`, name, len(nodes), strings.Join(names, ", "), ProbeImage, probePort)
+`, name, len(nodes), strings.Join(nodes, ", "), ProbeImage, probePort)
 	if _, err := l.kubectlStdin(ctx, manifest, "apply", "-f", "-"); err != nil {
 		return err
 	}
@@ -77,7 +73,7 @@ spec:
 		pods, _ := l.Kubectl(ctx, "describe", "pods", "-l", "app="+name)
 		return fmt.Errorf("deployment %s: %w\n%s", name, err, pods)
 	}
-	l.progress("deployment %s: a replica on each of %s, behind Service %s", name, strings.Join(names, ", "), name)
+	l.progress("deployment %s: a replica on each of %s, behind Service %s", name, strings.Join(nodes, ", "), name)
 	return nil
 }
 

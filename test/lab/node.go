@@ -610,9 +610,8 @@ state = "/run/containerd"
 		"retryMax":      "2s",
 		"pcrs":          QuotedPCRs,
 		"sourceAddress": n.Addr.String(),
-		// The lab's host runs cgroup v1 without systemd, its nodes share one kernel, and kubelet.conf is
-		// written by the agent from its join ticket before kubeadm join runs.
-		"ignorePreflightErrors": []string{"SystemVerification", "FileAvailable--etc-kubernetes-kubelet.conf", "Swap"},
+		// The lab's host runs cgroup v1 without systemd, and its nodes share one kernel.
+		"ignorePreflightErrors": []string{"SystemVerification", "Swap"},
 		"kubelet": map[string]any{
 			"run":           true,
 			"binary":        filepath.Join(n.lab.cfg.KubeBin, "kubelet"),
@@ -622,8 +621,10 @@ state = "/run/containerd"
 				"cgroup-root":  "/" + n.cgroup(),
 				"fail-swap-on": "false",
 				// The nodes share the host's disk, and how full it is belongs to the host: with kubelet's
-				// defaults a host disk 85 % full had every node evict the test's pods for DiskPressure.
-				"eviction-hard": "memory.available<100Mi,nodefs.available<1%,imagefs.available<1%,nodefs.inodesFree<1%",
+				// defaults a host disk 85 % full had every node evict the test's pods for DiskPressure, and
+				// delete the images it loaded (pause among them: the registry is out of reach) to free it.
+				"eviction-hard":           "memory.available<100Mi,nodefs.available<1%,imagefs.available<1%,nodefs.inodesFree<1%",
+				"image-gc-high-threshold": "100",
 			},
 		},
 	}
@@ -637,7 +638,7 @@ state = "/run/containerd"
 	case n.CloudInit != "":
 		cfg["userDataFile"] = cloudinit.UserDataPath
 	default:
-		cfg["metadataURL"] = "http://" + metaAddr
+		cfg["metadataURL"] = MetadataURL
 	}
 	data, err := yaml.Marshal(cfg)
 	if err != nil {
