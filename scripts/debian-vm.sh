@@ -8,10 +8,6 @@
 # with the kernel and initrd given to QEMU directly, as a cloud's boot loader would hand them over, so the
 # image has no boot loader until berth-uki-install installs a UKI.
 #
-# For the measured-boot tests, a udev rule starts berth-pcrs.service once a TPM appears: it prints
-# "BERTH-PCR <index> <hex>" for PCR 4, 9, 11 and 12 on the serial console and powers off. Builds run without
-# a TPM, so it never runs there.
-#
 # Cached by this script's hash in ${BERTH_CACHE:-$HOME/.cache/berth}/debian-vm/<key>; the only line on stdout
 # is that directory, with disk.raw, vmlinuz, initrd.img, cmdline (the kernel command line to boot with) and
 # key (the SSH private key). Needs root (mmdebstrap runs the packages' scripts in a chroot), mmdebstrap,
@@ -33,7 +29,7 @@ suite=bookworm
 mirror=http://deb.debian.org/debian
 packages=systemd-sysv,udev,dbus,kmod,linux-image-cloud-amd64,initramfs-tools,openssh-server,ca-certificates
 # packer/provisioner/node's DefaultPackages.
-packages+=,containerd,runc,containernetworking-plugins,conntrack,socat,ethtool,iptables
+packages+=,containerd,runc,containernetworking-plugins,conntrack,socat,ethtool,iptables,cryptsetup-bin
 # Fixed ids: the command line and fstab name the file systems by them.
 root_uuid=6b1e9a62-3c5e-4d7b-9d0e-2f8a1c4b5e70
 esp_id=B3E70001
@@ -70,21 +66,6 @@ UUID=${esp_id:0:4}-${esp_id:4:4} /boot/efi vfat umask=0077 0 2
 FSTAB
 mkdir -p "$root/etc/systemd/network"
 printf '[Match]\nName=en*\n\n[Network]\nDHCP=yes\n' >"$root/etc/systemd/network/80-dhcp.network"
-# systemd 252's own rules do not tag TPM devices: this rule both tags the resource manager and starts the
-# report, which needs nothing else of the system.
-cat >"$root/etc/udev/rules.d/90-berth-pcrs.rules" <<'RULE'
-SUBSYSTEM=="tpmrm", KERNEL=="tpmrm0", TAG+="systemd", ENV{SYSTEMD_WANTS}+="berth-pcrs.service"
-RULE
-cat >"$root/etc/systemd/system/berth-pcrs.service" <<'UNIT'
-[Unit]
-Description=Print the PCRs of the measured boot on the serial console, then power off
-After=dev-tpmrm0.device
-
-[Service]
-Type=oneshot
-ExecStart=/bin/sh -c 'for i in 4 9 11 12; do echo "BERTH-PCR $i $(cat /sys/class/tpm/tpm0/pcr-sha256/$i)"; done >/dev/ttyS0'
-ExecStartPost=/bin/systemctl --no-block poweroff
-UNIT
 
 cp -L "$root/vmlinuz" "$tmp/vmlinuz"
 cp -L "$root/initrd.img" "$tmp/initrd.img"
@@ -92,12 +73,14 @@ echo "root=UUID=$root_uuid ro console=ttyS0" >"$tmp/cmdline"
 
 log "making the disk…"
 esp_sectors=131072 # 64 MiB
+# Room for a node's container images twice (the archives the image keeps and containerd's store), sparse.
+root_mib=3072
 root_start=$((2048 + esp_sectors))
-truncate -s 1536M "$tmp/root.img"
+truncate -s "${root_mib}M" "$tmp/root.img"
 mkfs.ext4 -q -F -U "$root_uuid" -L root -d "$root" "$tmp/root.img"
 mkfs.vfat -C -i "$esp_id" -n ESP "$tmp/esp.img" $((esp_sectors / 2)) >/dev/null
 mmd -i "$tmp/esp.img" ::/EFI
-truncate -s $(((root_start + 1536 * 2048 + 2048) * 512)) "$tmp/disk.raw"
+truncate -s $(((root_start + root_mib * 2048 + 2048) * 512)) "$tmp/disk.raw"
 printf 'label: gpt\nstart=2048, size=%d, type=C12A7328-F81F-11D2-BA4B-00A0C93EC93B\nstart=%d, type=0FC63DAF-8483-4772-8E79-3D69D8477DE4\n' \
 	"$esp_sectors" "$root_start" | sfdisk --quiet "$tmp/disk.raw"
 dd if="$tmp/esp.img" of="$tmp/disk.raw" bs=512 seek=2048 conv=notrunc,sparse status=none

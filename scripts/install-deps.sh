@@ -4,7 +4,8 @@
 # real-cluster lab containerd, runc, the CNI plugins and the tools kubeadm's preflight looks for; for the
 # measured-boot tests and the berth-uki builder binutils' objcopy (joins unified kernel images), osslsigncode
 # (an independent Authenticode hash), fdisk, dosfstools and mtools (the UEFI disk image, made without root),
-# cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm); mmdebstrap (the root file system of
+# cpio (checks the initrds) and QEMU with OVMF (boots them with a swtpm; dnsmasq's DHCP gives a baked image
+# booted on the lab's bridge its address, as a cloud's network does); mmdebstrap (the root file system of
 # the local node image, from Debian's archive), kmod (its kernel modules' index) and busybox-static (a shell
 # for chroot tests); gcc with glibc's headers and static library (cgo: CFSSL's sqlite driver, and flanneld,
 # linked statically for the lab's Flannel image) and sqlite3 (CFSSL's certificate database in the
@@ -44,6 +45,7 @@ declare -A pkgs=(
 	[osslsigncode]=osslsigncode
 	[qemu-system-x86_64]=qemu-system-x86
 	[qemu-img]=qemu-utils
+	[dnsmasq]=dnsmasq-base
 	[ssh-keygen]=openssh-client
 	[systemd-analyze]=systemd
 	[sfdisk]=fdisk

@@ -5,8 +5,9 @@
 # berth-uki-install downloads the kernel and initrd over SSH with the machine's own command line, assembles
 # the UKI here and installs it on the machine's EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest
 # predicts the PCRs from the same file. The disk Packer writes then boots the UKI under OVMF
-# with no other boot option, and its TPM holds the predicted PCR 4, 9, 11 and 12
-# (TestAccQEMUImage in packer/provisioner/ukiinstall boots it with a swtpm and compares).
+# with no other boot option, and its TPM holds the predicted PCR 4, 9, 11 and 12: TestAccQEMUImage in
+# packer/provisioner/ukiinstall boots it with a swtpm on a lab's network, where it attests against those PCRs,
+# joins the lab's cluster with kubeadm and runs pods (agent_config and image_archives make it the lab's).
 #
 # OVMF's direct kernel boot adds initrd=initrd to the command line the build machine sees; berth-uki-install
 # drops it, as it drops GRUB's BOOT_IMAGE= on EC2.
@@ -84,6 +85,12 @@ variable "image_archives" {
   default     = []
 }
 
+variable "cni_bin_dir" {
+  type        = string
+  description = "Where containerd finds the CNI plugins: the directory the cluster's pod network installs its plugin into."
+  default     = "/opt/cni/bin"
+}
+
 variable "output_directory" {
   type    = string
   default = "output-qemu"
@@ -154,7 +161,8 @@ build {
   }
 
   provisioner "berth-node" {
-    images = var.images
+    images      = var.images
+    cni_bin_dir = var.cni_bin_dir
 
     dynamic "image_archives" {
       for_each = var.image_archives

@@ -7,6 +7,7 @@ package measuredboot
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/hex"
 	"errors"
@@ -45,9 +46,23 @@ type Machine struct {
 	TPMState string
 	// Disks are raw disk images attached read-write after the boot disk: /dev/vdb, /dev/vdc, … in the guest.
 	Disks []string
+	// Overlay, if set, makes Disk writable as an instance's copy of its image is: the machine writes to this
+	// qcow2 file (made at the first boot, kept for the next), and Disk stays as it was.
+	Overlay string
 	// Forwards, if any, give the machine a network: QEMU's user network (the guest is 10.0.2.15, its
 	// gateway 10.0.2.2), restricted so that the guest reaches nothing but these forwards.
 	Forwards []Forward
+	// Tap, if set, gives the machine a network card on a host bridge instead.
+	Tap *Tap
+	// Memory is the machine's memory in MiB; 1024 if zero. CPUs is its number of processors; 1 if zero.
+	Memory, CPUs int
+}
+
+// Tap is a network card on a host bridge, through a tap device QEMU makes for the boot and removes after it.
+type Tap struct {
+	Name   string // the tap device: at most 15 bytes
+	Bridge string
+	MAC    string
 }
 
 // Forward makes a TCP address in the guest's network lead to one on the host: each connection the guest
@@ -63,6 +78,12 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 	if len(m.Forwards) > 0 {
 		tools = append(tools, "socat")
 	}
+	if m.Overlay != "" {
+		tools = append(tools, "qemu-img")
+	}
+	if len(m.Forwards) > 0 && m.Tap != nil {
+		return "", errors.New("a machine has either forwards on QEMU's user network or a tap, not both")
+	}
 	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			return "", fmt.Errorf("%s not found: run make deps (installs qemu-system-x86, ovmf, swtpm and socat)", tool)
@@ -73,7 +94,13 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 			return "", fmt.Errorf("OVMF firmware: %w (run make deps: installs ovmf)", err)
 		}
 	}
-	drive := "format=raw,file=" + m.Disk
+	drive := "readonly=on,format=raw,file=" + m.Disk
+	if m.Overlay != "" {
+		if err := makeOverlay(ctx, m.Disk, m.Overlay); err != nil {
+			return "", err
+		}
+		drive = "format=qcow2,file=" + m.Overlay
+	}
 	if m.Disk == "" {
 		boot := filepath.Join(m.Dir, "esp", "EFI", "BOOT")
 		if err := os.MkdirAll(boot, 0o755); err != nil {
@@ -82,7 +109,7 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		if err := copyFile(m.UKI, filepath.Join(boot, "BOOTX64.EFI")); err != nil {
 			return "", err
 		}
-		drive = "format=raw,file=fat:" + filepath.Join(m.Dir, "esp")
+		drive = "readonly=on,format=raw,file=fat:" + filepath.Join(m.Dir, "esp")
 	} else if err := os.MkdirAll(m.Dir, 0o755); err != nil {
 		return "", err
 	}
@@ -117,7 +144,7 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		out = io.MultiWriter(&console, m.Console)
 	}
 	args := []string{
-		"-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
+		"-machine", "q35", "-accel", "tcg", "-m", strconv.Itoa(cmp.Or(m.Memory, 1024)), "-smp", strconv.Itoa(cmp.Or(m.CPUs, 1)),
 		// Only the devices below: OVMF then tries no other boot option first, so PCR 4 holds exactly
 		// the UKI's boot.
 		"-nodefaults", "-nographic", "-serial", "stdio", "-no-reboot",
@@ -126,7 +153,7 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		"-chardev", "socket,id=chrtpm,path=" + ctrl,
 		"-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
 		"-device", "tpm-tis,tpmdev=tpm0",
-		"-drive", "if=none,id=esp,readonly=on," + drive,
+		"-drive", "if=none,id=esp," + drive,
 		"-device", "virtio-blk-pci,drive=esp,bootindex=0",
 	}
 	for i, d := range m.Disks {
@@ -143,6 +170,18 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		}
 		args = append(args, "-netdev", netdev, "-device", "virtio-net-pci,netdev=net0")
 	}
+	if t := m.Tap; t != nil {
+		if len(t.Name) > 15 || strings.ContainsAny(t.Name+t.Bridge+t.MAC, ", /") {
+			return "", fmt.Errorf("tap %q on bridge %q with MAC %q: want a device name of at most 15 bytes, and no commas, spaces or slashes", t.Name, t.Bridge, t.MAC)
+		}
+		// QEMU runs this with the tap's name once it has made the device.
+		up := filepath.Join(m.Dir, "tap-up")
+		if err := os.WriteFile(up, []byte("#!/bin/sh\nexec ip link set \"$1\" master "+t.Bridge+" up\n"), 0o755); err != nil {
+			return "", err
+		}
+		args = append(args, "-netdev", fmt.Sprintf("tap,id=net0,ifname=%s,script=%s,downscript=no", t.Name, up),
+			"-device", "virtio-net-pci,netdev=net0,mac="+t.MAC)
+	}
 	qemu := exec.CommandContext(ctx, "qemu-system-x86_64", args...)
 	qemu.Stdout, qemu.Stderr = out, out
 	err := qemu.Run()
@@ -153,6 +192,18 @@ func (m Machine) Boot(ctx context.Context) (string, error) {
 		return console.String(), fmt.Errorf("qemu: %w", err)
 	}
 	return console.String(), nil
+}
+
+// makeOverlay makes a qcow2 overlay of the raw disk at path, unless an earlier boot made it.
+func makeOverlay(ctx context.Context, disk, path string) error {
+	if _, err := os.Stat(path); err == nil {
+		return nil
+	}
+	out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", disk, path).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu-img create %s: %w: %s", path, err, bytes.TrimSpace(out))
+	}
+	return nil
 }
 
 // BuildInit builds pcrinit, the initrd init that prints the PCRs a boot measured, as a static binary in dir
