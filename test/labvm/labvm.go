@@ -63,8 +63,6 @@ type VM struct {
 	stop    context.CancelFunc
 	done    chan struct{}
 	bootErr error
-	// Booted is when the machine last powered on.
-	Booted time.Time
 }
 
 // Start lists the machine in the lab's metadata, makes its TPM (an EK certificate of the lab's EK CA) and
@@ -159,7 +157,7 @@ func (vm *VM) Boot() error {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	vm.stop, vm.done, vm.bootErr, vm.Booted = cancel, done, nil, time.Now()
+	vm.stop, vm.done, vm.bootErr = cancel, done, nil
 	m := measuredboot.Machine{
 		Disk: vm.Disk, Overlay: filepath.Join(vm.Dir, "root.qcow2"), Dir: filepath.Join(vm.Dir, "boot"),
 		TPMState: filepath.Join(vm.Dir, "tpm"), Disks: []string{statePath(vm.Dir)}, Memory: vm.Memory, CPUs: vm.CPUs, Console: console,
