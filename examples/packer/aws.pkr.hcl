@@ -134,6 +134,9 @@ source "amazon-ebssurrogate" "node" {
     }
   }
   ssh_username = "admin"
+  # Packer's temporary key would otherwise stay in the AMI's authorized_keys; each instance gets its own
+  # key pair's key from cloud-init at its first boot.
+  ssh_clear_authorized_keys = true
 
   # The build instance's own root volume becomes the AMI's: kept after the instance ends, snapshotted once
   # the instance has stopped, registered as the root device.

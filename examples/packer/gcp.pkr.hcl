@@ -169,6 +169,8 @@ source "googlecompute" "node" {
   # agent creates the user with passwordless sudo. (Where an organization policy enforces OS Login, set
   # use_os_login = true instead.)
   ssh_username = "packer"
+  # Packer's key would otherwise stay in the image's authorized_keys.
+  ssh_clear_authorized_keys = true
   metadata = {
     block-project-ssh-keys = "TRUE"
   }
