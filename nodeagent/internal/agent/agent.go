@@ -152,9 +152,10 @@ func diskOptions() []statedisk.Option {
 	})}
 }
 
-// unlockingDisk mounts the state volume as soon as its key is set, so that everything the join client and
-// the init server write next lands on the encrypted disk. A node that joins again after an interrupted join
-// sets the same key twice in one boot; the volume is mounted once.
+// unlockingDisk mounts the state volume and binds the state directories from it as soon as its key is set,
+// so that everything the join client and the init server write next lands on the encrypted disk. A node that
+// joins again after an interrupted join sets the same key twice in one boot; the volume is mounted once, and
+// binds already in place are kept.
 type unlockingDisk struct{ a *Agent }
 
 func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
@@ -164,14 +165,17 @@ func (u unlockingDisk) SetKey(ctx context.Context, initial, key []byte) error {
 	if u.a.keeper != nil {
 		u.a.keeper.SetKey(key)
 	}
-	if u.a.cfg.StateMount == "" || u.a.mounted {
+	if u.a.cfg.StateMount == "" {
 		return nil
 	}
-	if err := u.a.disk.Mount(ctx, key, u.a.cfg.MapperName, u.a.cfg.StateMount); err != nil {
-		return err
+	if !u.a.mounted {
+		if err := u.a.disk.Mount(ctx, key, u.a.cfg.MapperName, u.a.cfg.StateMount); err != nil {
+			return err
+		}
+		u.a.mounted = true
 	}
-	u.a.mounted = true
-	return nil
+	// Before kubeadm, the kubelet or etcd write a byte: the binds decide which disk it lands on.
+	return statedisk.BindDirs(ctx, u.a.log, u.a.cfg.StateMount, u.a.cfg.StateDirs)
 }
 
 // firstBoot runs the init server (on control-plane nodes that have an init secret) beside the join client;

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/berthlabs/berth/internal/attest"
@@ -59,6 +61,10 @@ type Config struct {
 	// MapperName is the device-mapper name of the opened state volume.
 	MapperName string          `json:"mapperName,omitempty"`
 	Paths      nodestate.Paths `json:"paths"`
+	// StateDirs are bound from the state volume once it is mounted (statedisk.BindDirs): what is written
+	// there is encrypted and survives a root file system that is read-only or in memory. With stateMount set,
+	// it defaults to DefaultStateDirs; an empty list binds nothing.
+	StateDirs []string `json:"stateDirs,omitempty"`
 	// SourceAddress, if set, is the address outgoing connections are made from.
 	SourceAddress string `json:"sourceAddress,omitempty"`
 	// InitListen is the init server's listen address.
@@ -108,6 +114,12 @@ type Config struct {
 	// /healthz and /readyz, in plain HTTP (docs/metrics.md). Off unless set: the port answers anyone who
 	// reaches it, so an operator opens it on the address a load balancer and a Prometheus can reach.
 	MetricsListen string `json:"metricsListen,omitempty"`
+}
+
+// DefaultStateDirs are the directories bound from the state volume unless stateDirs says otherwise: kubeadm's
+// (the cluster's CA keys on control-plane nodes), the kubelet's (its credentials) and etcd's data.
+func (c *Config) DefaultStateDirs() []string {
+	return []string{c.Paths.KubernetesDir, c.Paths.KubeletDir, "/var/lib/etcd"}
 }
 
 // DefaultLocalUnlockRefresh is how often a sealing worker asks for the current policy.
@@ -173,6 +185,9 @@ func (c *Config) Defaults() {
 	if c.LocalUnlockRefresh.Duration == 0 {
 		c.LocalUnlockRefresh.Duration = DefaultLocalUnlockRefresh
 	}
+	if c.StateMount != "" && c.StateDirs == nil {
+		c.StateDirs = c.DefaultStateDirs()
+	}
 }
 
 // Validate says what is missing or wrong, every problem at once.
@@ -204,6 +219,10 @@ func (c *Config) Validate() error {
 	if c.Paths.State == "" || c.Paths.KubernetesDir == "" || c.Paths.KubeletDir == "" {
 		errs = append(errs, errors.New("paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"))
 	}
+	if c.StateMount != "" && !filepath.IsAbs(c.StateMount) {
+		errs = append(errs, fmt.Errorf("stateMount: %q is not an absolute path", c.StateMount))
+	}
+	errs = append(errs, c.checkStateDirs()...)
 	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
 		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
 	}
@@ -232,6 +251,49 @@ func (c *Config) Platform() platform.Platform {
 	default:
 		return lab.New(c.MetadataURL, src, c.EKCABundle)
 	}
+}
+
+// checkStateDirs refuses binds that would fail or hide something at every boot, after the disk was keyed.
+func (c *Config) checkStateDirs() []error {
+	if len(c.StateDirs) == 0 {
+		return nil
+	}
+	if c.StateMount == "" {
+		return []error{errors.New("stateDirs: binding directories from the state volume needs stateMount")}
+	}
+	var errs []error
+	mount := filepath.Clean(c.StateMount)
+	seen := make(map[string]bool, len(c.StateDirs))
+	for _, dir := range c.StateDirs {
+		switch {
+		case !filepath.IsAbs(dir) || filepath.Clean(dir) != dir:
+			errs = append(errs, fmt.Errorf("stateDirs: %q is not a clean absolute path", dir))
+		case dir == "/":
+			errs = append(errs, errors.New("stateDirs: / cannot be bound from the state volume"))
+		case within(dir, mount):
+			errs = append(errs, fmt.Errorf("stateDirs: %s is on the state volume already (stateMount %s)", dir, mount))
+		case within(mount, dir):
+			errs = append(errs, fmt.Errorf("stateDirs: binding %s would hide the state volume mounted at %s", dir, mount))
+		case seen[dir]:
+			errs = append(errs, fmt.Errorf("stateDirs: %s is listed twice", dir))
+		}
+		seen[dir] = true
+	}
+	// A bind below another would be hidden by it or hide it, depending on the order.
+	for _, a := range c.StateDirs {
+		for _, b := range c.StateDirs {
+			if a != b && within(a, b) {
+				errs = append(errs, fmt.Errorf("stateDirs: %s is below %s: list only the upper one", a, b))
+			}
+		}
+	}
+	return errs
+}
+
+// within says whether path is dir or below it; both are clean.
+func within(path, dir string) bool {
+	rel, err := filepath.Rel(dir, path)
+	return err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
 }
 
 // maxPCR is the highest PCR index of a TPM 2.0 (PC Client Platform Firmware Profile: 24 PCRs per bank).

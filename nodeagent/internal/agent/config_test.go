@@ -89,6 +89,30 @@ retryMax: 1m30s
 	}
 }
 
+func TestLoadConfigStateDirs(t *testing.T) {
+	tests := []struct {
+		name, content string
+		want          []string
+	}{
+		{"no state mount, nothing bound", minimalConfig, nil},
+		{"state mount, the defaults", minimalConfig + "stateMount: /var/lib/berth\npaths:\n  state: /var/lib/berth\n  kubernetesDir: /k8s\n  kubeletDir: /kubelet\n",
+			[]string{"/k8s", "/kubelet", "/var/lib/etcd"}},
+		{"an empty list binds nothing", minimalConfig + "stateMount: /var/lib/berth\nstateDirs: []\n", []string{}},
+		{"a list of one's own", minimalConfig + "stateMount: /var/lib/berth\nstateDirs: [/var/lib/containerd]\n", []string{"/var/lib/containerd"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := LoadConfig(writeConfig(t, tt.content))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (c.StateDirs == nil) != (tt.want == nil) || strings.Join(c.StateDirs, " ") != strings.Join(tt.want, " ") {
+				t.Errorf("stateDirs = %#v, want %#v", c.StateDirs, tt.want)
+			}
+		})
+	}
+}
+
 func TestLoadConfigDurations(t *testing.T) {
 	tests := []struct {
 		value   string
@@ -210,6 +234,16 @@ func TestLoadConfigRefusals(t *testing.T) {
 		{name: "PCR out of range", content: minimalConfig + "pcrs: [24]\n", want: []string{"pcrs: 24 is not a PCR index (0 to 23)"}},
 		{name: "PCR negative and PCR twice", content: minimalConfig + "pcrs: [-1, 7, 4, 7]\n",
 			want: []string{"pcrs: -1 is not a PCR index (0 to 23)", "pcrs: 7 is listed twice"}, notWant: []string{"pcrs: 4"}},
+		{name: "state dirs without a state mount", content: minimalConfig + "stateDirs: [/etc/kubernetes]\n",
+			want: []string{"stateDirs: binding directories from the state volume needs stateMount"}},
+		{name: "state dirs that cannot be bound", content: minimalConfig + "stateMount: /var/lib/berth\n" +
+			"stateDirs: [etc/kubernetes, /var/lib/, /, /var/lib/berth/k, /var, /etc/kubernetes, /etc/kubernetes, /etc/kubernetes/pki]\n",
+			want: []string{`stateDirs: "etc/kubernetes" is not a clean absolute path`, `stateDirs: "/var/lib/" is not a clean absolute path`,
+				"stateDirs: / cannot be bound", "stateDirs: /var/lib/berth/k is on the state volume already (stateMount /var/lib/berth)",
+				"stateDirs: binding /var would hide the state volume mounted at /var/lib/berth", "stateDirs: /etc/kubernetes is listed twice",
+				"stateDirs: /etc/kubernetes/pki is below /etc/kubernetes: list only the upper one"}},
+		{name: "relative state mount", content: minimalConfig + "stateMount: var/lib/berth\nstateDirs: []\n",
+			want: []string{`stateMount: "var/lib/berth" is not an absolute path`}},
 		{name: "source address not an address", content: minimalConfig + "sourceAddress: eth0\n",
 			want: []string{`sourceAddress: "eth0" is not an IP address`}},
 		{name: "every validation problem at once", content: "pcrs: [24]\n",
