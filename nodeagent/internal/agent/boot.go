@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
@@ -13,6 +14,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/nodeagent/internal/verifiedroot"
 )
 
 // boot is one run of Boot: what its steps learn and hand on, and the work it started. It owns every
@@ -59,6 +61,7 @@ func (a *Agent) Boot(ctx context.Context) error {
 		b.running.Wait()
 	}()
 	for _, s := range []step{
+		{"read the verified root", b.readRoot},
 		{"open the TPM", b.openTPM},
 		{"read the instance metadata", b.readSelf},
 		{"prepare the state disk", b.prepareDisk},
@@ -78,6 +81,25 @@ func (a *Agent) Boot(ctx context.Context) error {
 	cancel()
 	<-b.kubeletDone
 	return err
+}
+
+// readRoot reads the verified root end to end before anything is attested (package verifiedroot).
+func (b *boot) readRoot(ctx context.Context) error {
+	dev := b.a.cfg.VerifiedRoot
+	if dev == "none" {
+		return nil
+	}
+	start := time.Now()
+	n, err := verifiedroot.Read(ctx, dev)
+	switch {
+	case errors.Is(err, verifiedroot.ErrAbsent):
+		b.log.Info("no verified root: this image's root file system is not covered by its measurements", "device", dev)
+		return nil
+	case err != nil:
+		return err
+	}
+	b.log.Info("verified root read", "device", dev, "bytes", n, "duration", time.Since(start).Round(time.Millisecond).String())
+	return nil
 }
 
 func (b *boot) openTPM(context.Context) error {

@@ -24,6 +24,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/platform/baremetal"
 	"github.com/berthlabs/berth/nodeagent/internal/platform/gcp"
 	"github.com/berthlabs/berth/nodeagent/internal/platform/lab"
+	"github.com/berthlabs/berth/nodeagent/internal/verifiedroot"
 )
 
 // DefaultInitPort is where a fresh control-plane node's init server listens; the Terraform provider dials it.
@@ -61,6 +62,11 @@ type Config struct {
 	// MapperName is the device-mapper name of the opened state volume.
 	MapperName string          `json:"mapperName,omitempty"`
 	Paths      nodestate.Paths `json:"paths"`
+	// VerifiedRoot is the dm-verity device the root file system is mounted from: the agent reads all of it
+	// before it attests, so that a block that does not verify stops the node before it asks for a secret.
+	// verifiedroot.DefaultDevice unless set; "none" skips the read. An image without a verified root has no
+	// such device, and nothing is read.
+	VerifiedRoot string `json:"verifiedRoot,omitempty"`
 	// StateDirs are bound from the state volume once it is mounted (statedisk.BindDirs): what is written
 	// there is encrypted and survives a root file system that is read-only or in memory. With stateMount set,
 	// it defaults to DefaultStateDirs; an empty list binds nothing.
@@ -185,6 +191,9 @@ func (c *Config) Defaults() {
 	if c.LocalUnlockRefresh.Duration == 0 {
 		c.LocalUnlockRefresh.Duration = DefaultLocalUnlockRefresh
 	}
+	if c.VerifiedRoot == "" {
+		c.VerifiedRoot = verifiedroot.DefaultDevice
+	}
 	if c.StateMount != "" && c.StateDirs == nil {
 		c.StateDirs = c.DefaultStateDirs()
 	}
@@ -223,6 +232,9 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("stateMount: %q is not an absolute path", c.StateMount))
 	}
 	errs = append(errs, c.checkStateDirs()...)
+	if c.VerifiedRoot != "none" && !filepath.IsAbs(c.VerifiedRoot) {
+		errs = append(errs, fmt.Errorf("verifiedRoot: %q is not an absolute path or none", c.VerifiedRoot))
+	}
 	if c.CFSSL != nil && (c.CFSSL.URL == "" || c.CFSSL.Profile == "" || c.CFSSL.AuthKeyFile == "") {
 		errs = append(errs, errors.New("cfssl needs url, profile and authKeyFile"))
 	}

@@ -41,6 +41,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 		EKCABundle:         "/etc/berth/ek-ca.pem",
 		PolicyConfigMap:    "berth-join-policy",
 		LocalUnlockRefresh: configfile.Duration{Duration: DefaultLocalUnlockRefresh},
+		VerifiedRoot:       "/dev/mapper/berth-root",
 	}
 	got, _ := json.Marshal(c)
 	wantJSON, _ := json.Marshal(want)
@@ -242,6 +243,8 @@ func TestLoadConfigRefusals(t *testing.T) {
 				"stateDirs: / cannot be bound", "stateDirs: /var/lib/berth/k is on the state volume already (stateMount /var/lib/berth)",
 				"stateDirs: binding /var would hide the state volume mounted at /var/lib/berth", "stateDirs: /etc/kubernetes is listed twice",
 				"stateDirs: /etc/kubernetes/pki is below /etc/kubernetes: list only the upper one"}},
+		{name: "verified root not a path", content: minimalConfig + "verifiedRoot: berth-root\n",
+			want: []string{`verifiedRoot: "berth-root" is not an absolute path or none`}},
 		{name: "relative state mount", content: minimalConfig + "stateMount: var/lib/berth\nstateDirs: []\n",
 			want: []string{`stateMount: "var/lib/berth" is not an absolute path`}},
 		{name: "source address not an address", content: minimalConfig + "sourceAddress: eth0\n",
