@@ -30,6 +30,8 @@ mirror=http://deb.debian.org/debian
 packages=systemd-sysv,udev,dbus,kmod,linux-image-cloud-amd64,initramfs-tools,openssh-server,ca-certificates
 # packer/provisioner/node's DefaultPackages.
 packages+=,containerd,runc,containernetworking-plugins,conntrack,socat,ethtool,iptables,cryptsetup-bin
+# What berth-uki-install's verified_root runs on the build machine.
+packages+=,erofs-utils,dosfstools,fdisk
 # Fixed ids: the command line and fstab name the file systems by them.
 root_uuid=6b1e9a62-3c5e-4d7b-9d0e-2f8a1c4b5e70
 esp_id=B3E70001
@@ -55,6 +57,10 @@ log "mmdebstrap $suite ($packages)…"
 mmdebstrap --quiet --variant=minbase --include="$packages" \
 	--customize-hook='chroot "$1" systemctl enable systemd-networkd' "$suite" "$root" "$mirror" >&2
 
+# Only QEMU's virtio machines boot this disk, so its initrds need only the modules of this machine's root
+# (and what berth-uki-install's verified root adds by name): under TCG, initramfs-tools' default of most
+# modules takes minutes to rebuild an initrd. A cloud image keeps its default, which boots any instance type.
+sed -i 's/^MODULES=.*/MODULES=dep/' "$root/etc/initramfs-tools/initramfs.conf"
 ssh-keygen -q -t ed25519 -N '' -C berth-build -f "$tmp/key"
 install -d -m 0700 "$root/root/.ssh"
 install -m 0600 "$tmp/key.pub" "$root/root/.ssh/authorized_keys"

@@ -2,12 +2,15 @@
 # machine made by scripts/debian-vm.sh boots with its kernel and initrd handed over directly, as a cloud's
 # boot loader would hand them over; berth-agent installs the agent, kubeadm and the kubelet, berth-node makes
 # the machine a Kubernetes node (containerd, the kubelet's unit, kernel settings, a generic image);
-# berth-uki-install downloads the kernel and initrd over SSH with the machine's own command line, assembles
-# the UKI here and installs it on the machine's EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest
-# predicts the PCRs from the same file. The disk Packer writes then boots the UKI under OVMF
-# with no other boot option, and its TPM holds the predicted PCR 4, 9, 11 and 12: TestAccQEMUImage in
-# packer/provisioner/ukiinstall boots it with a swtpm on a lab's network, where it attests against those PCRs,
-# joins the lab's cluster with kubeadm and runs pods (agent_config and image_archives make it the lab's).
+# berth-uki-install makes its root a verified one: it teaches the machine's initrd to open a dm-verity root,
+# writes the root file system as erofs with its hash tree onto the machine's second disk (berth.raw-1, the
+# image), downloads the kernel and initrd over SSH, assembles the UKI here with the machine's own command line
+# and the root hash, and installs it on the image's EFI system partition as EFI/BOOT/BOOTX64.EFI;
+# berth-manifest predicts the PCRs from the same file. The image then boots the UKI under OVMF with no other
+# boot option, its TPM holds the predicted PCR 4, 9, 11 and 12, and any byte of its root that differs from
+# the build's stops the machine when read: TestAccQEMUImage in packer/provisioner/ukiinstall boots it with a
+# swtpm on a lab's network, where it attests against those PCRs, joins the lab's cluster with kubeadm and
+# runs pods (agent_config and image_archives make it the lab's).
 #
 # OVMF's direct kernel boot adds initrd=initrd to the command line the build machine sees; berth-uki-install
 # drops it, as it drops GRUB's BOOT_IMAGE= on EC2.
@@ -140,6 +143,9 @@ source "qemu" "node" {
 
   output_directory = var.output_directory
   vm_name          = "berth.raw"
+  # The image: berth-uki-install writes the verified root and the ESP with the UKI onto this second disk,
+  # berth.raw-1; the build machine's own disk, berth.raw, is only where the build ran.
+  disk_additional_size = ["2048M"]
 }
 
 build {
@@ -177,12 +183,15 @@ build {
   provisioner "berth-uki-install" {
     stub   = var.stub
     output = var.uki
+    verified_root {
+      device = "/dev/vdb"
+    }
   }
 
   post-processor "berth-manifest" {
     image_name  = var.image_name
     output      = var.manifest
     uki         = var.uki
-    artifact_id = "${var.output_directory}/berth.raw"
+    artifact_id = "${var.output_directory}/berth.raw-1"
   }
 }

@@ -9,6 +9,7 @@ package labvm
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -373,4 +374,42 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// WaitOff waits until the machine powers off by itself (a kernel that panicked and rebooted: QEMU runs
+// with -no-reboot), or ctx ends.
+func (vm *VM) WaitOff(ctx context.Context) error {
+	vm.mu.Lock()
+	done := vm.done
+	vm.mu.Unlock()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("machine %s still runs: %w", vm.Name, ctx.Err())
+	}
+}
+
+// Tickets counts the join and rejoin tickets the lab's join services logged issuing to the machine.
+func (vm *VM) Tickets() (int, error) {
+	n := 0
+	for _, node := range vm.lab.Nodes {
+		if node.Role != metadata.RoleControlPlane {
+			continue
+		}
+		data, err := os.ReadFile(node.AgentLog())
+		if err != nil {
+			return 0, err
+		}
+		for _, line := range strings.Split(string(data), "\n") {
+			var entry struct {
+				Msg      string `json:"msg"`
+				PeerNode string `json:"peer_node"`
+			}
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.PeerNode == vm.Name && strings.HasSuffix(entry.Msg, "ticket issued") {
+				n++
+			}
+		}
+	}
+	return n, nil
 }

@@ -26,6 +26,7 @@ const (
 	KubeletUnitPath      = "/etc/systemd/system/kubelet.service"
 	KubeadmDropInPath    = "/etc/systemd/system/kubelet.service.d/10-kubeadm.conf"
 	ImagesUnitPath       = "/etc/systemd/system/berth-images.service"
+	ContainerdDropInPath = "/etc/systemd/system/containerd.service.d/berth-node-root.conf"
 	ModulesPath          = "/etc/modules-load.d/berth-node.conf"
 	SysctlPath           = "/etc/sysctl.d/90-berth-node.conf"
 	// ImagesDir holds the container image archives berth-images.service imports at every boot.
@@ -116,7 +117,7 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 // the provisioner writes, then containerd's configuration, then the image archives.
 func (p *Provisioner) uploads() ([]upload, error) {
 	var uploads []upload
-	for _, name := range []string{"kubelet.service", "10-kubeadm.conf", "berth-images.service", "modules.conf", "sysctl.conf"} {
+	for _, name := range []string{"kubelet.service", "10-kubeadm.conf", "berth-images.service", "modules.conf", "sysctl.conf", "containerd-root.conf"} {
 		data, err := files.ReadFile("files/" + name)
 		if err != nil {
 			return nil, err

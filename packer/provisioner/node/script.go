@@ -35,6 +35,7 @@ func (p *Provisioner) script(uploads []upload) (string, error) {
 		"KubeletUnit":      KubeletUnitPath,
 		"KubeadmDropIn":    KubeadmDropInPath,
 		"ImagesUnit":       ImagesUnitPath,
+		"ContainerdDropIn": ContainerdDropInPath,
 		"Modules":          ModulesPath,
 		"Sysctl":           SysctlPath,
 		"ContainerdConfig": ContainerdConfigPath,

@@ -1,4 +1,4 @@
-//go:generate packer-sdc mapstructure-to-hcl2 -type Config
+//go:generate packer-sdc mapstructure-to-hcl2 -type Config,VerifiedRoot
 
 package ukiinstall
 
@@ -9,6 +9,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"unicode"
@@ -57,11 +58,27 @@ type Config struct {
 	// Directory on the machine being provisioned where the files wait; removed afterwards. Defaults to
 	// `/tmp/berth-uki-install`.
 	StagingDirectory string `mapstructure:"staging_directory"`
+	// Makes the image's root file system read-only and verified: the machine's root becomes an erofs file
+	// system under dm-verity on a disk of its own, whose root hash the UKI's command line carries, so that
+	// PCR 11 and 12 change with any byte of it. Without it, the UKI is installed on the machine's own ESP
+	// and its root stays a writable file system that the initrd mounts unmeasured.
+	VerifiedRoot *VerifiedRoot `mapstructure:"verified_root"`
 	// Command that runs the provisioner's scripts, whose path is `{{.Path}}`. Defaults to `sh '{{.Path}}'`;
 	// use `sudo -n sh '{{.Path}}'` where the communicator does not log in as root.
 	ExecuteCommand string `mapstructure:"execute_command"`
 
 	ctx interpolate.Context
+}
+
+// VerifiedRoot is where the image with a verified root goes. The build machine needs veritysetup
+// (cryptsetup-bin), mkfs.erofs (erofs-utils), mkfs.vfat (dosfstools), sfdisk and initramfs-tools.
+type VerifiedRoot struct {
+	// The disk that becomes the image, attached to the build machine beside the one it runs from (the
+	// qemu builder's disk_additional_size, amazon-ebssurrogate's launch_block_device_mappings): its
+	// contents are replaced by a GPT with an EFI system partition holding the UKI and a partition with the
+	// root file system (erofs, lz4) followed by its dm-verity hash tree. It must hold the root file system
+	// compressed, about 1 % more, and 64 MiB.
+	Device string `mapstructure:"device" required:"true"`
 }
 
 // Prepare decodes and checks the configuration, naming every problem at once.
@@ -102,6 +119,13 @@ func (c *Config) Prepare(raws ...any) error {
 	if c.ESP == "/" {
 		errs = append(errs, errors.New("esp: / is not the mount point of an EFI system partition"))
 	}
+	if c.VerifiedRoot != nil {
+		if err := remote.CheckAbsolute(c.VerifiedRoot.Device); err != nil {
+			errs = append(errs, fmt.Errorf("verified_root.device: %w", err))
+		} else if !strings.HasPrefix(c.VerifiedRoot.Device, "/dev/") {
+			errs = append(errs, fmt.Errorf("verified_root.device: %s is not a device: want the disk that becomes the image, such as /dev/vdb", c.VerifiedRoot.Device))
+		}
+	}
 	if err := remote.CheckStaging(c.StagingDirectory); err != nil {
 		errs = append(errs, fmt.Errorf("staging_directory: %w", err))
 	}
@@ -113,7 +137,7 @@ func (c *Config) Prepare(raws ...any) error {
 	if fi, err := os.Stat(c.Output); err == nil && fi.IsDir() {
 		errs = append(errs, fmt.Errorf("output: %s is a directory: name the UKI file, such as %s", c.Output, filepath.Join(c.Output, DefaultOutput)))
 	}
-	for _, name := range []string{collectScript, installScript} {
+	for _, name := range []string{collectScript, installScript, prepareScript, sealScript} {
 		if _, err := c.executeCommand(name); err != nil {
 			errs = append(errs, err)
 		}
@@ -157,6 +181,48 @@ func checkCmdline(line string) error {
 		}
 	}
 	return nil
+}
+
+// The root the verified root's initrd opens, and the reboot delay a command line without panic= gets.
+const (
+	verifiedRootDevice = "/dev/mapper/berth-root"
+	verifiedPanic      = "panic=30"
+)
+
+// verifiedRootRecord is seal's record: partition UUID, data blocks, hash offset, root hash and salt.
+var verifiedRootRecord = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}:[1-9][0-9]*:[1-9][0-9]*:[0-9a-f]{64}:[0-9a-f]{64}$`)
+
+// verifiedCmdline is line with its root items (root=, rootfstype=, rootflags=, ro, rw) replaced by the
+// verified root's, and berth.verity= with seal's record. Without panic=, it gets one: the initrd then reboots
+// instead of offering a shell on the console when the root does not open, and the kernel reboots after a
+// block failed verification, instead of halting; a shell would run with the image's measurements.
+func verifiedCmdline(line, record string) (string, error) {
+	record = strings.TrimSpace(record)
+	if !verifiedRootRecord.MatchString(record) {
+		return "", fmt.Errorf("the verified root's record %q is not <partition UUID>:<data blocks>:<hash offset>:<sha256 root hash>:<salt>", record)
+	}
+	var kept, initArgs []string
+	panicSet := false
+	items := strings.Fields(line)
+	// What follows -- is init's, not the kernel's: the root's items go before it.
+	if i := slices.Index(items, "--"); i >= 0 {
+		items, initArgs = items[:i], items[i:]
+	}
+	for _, item := range items {
+		switch {
+		case item == "ro" || item == "rw" || strings.HasPrefix(item, "root=") || strings.HasPrefix(item, "rootfstype=") ||
+			strings.HasPrefix(item, "rootflags=") || strings.HasPrefix(item, "berth.verity="):
+			continue
+		case strings.HasPrefix(item, "panic="):
+			panicSet = true
+		}
+		kept = append(kept, item)
+	}
+	kept = append(kept, "root="+verifiedRootDevice, "rootfstype=erofs", "ro", "berth.verity="+record)
+	if !panicSet {
+		kept = append(kept, verifiedPanic)
+	}
+	return strings.Join(append(kept, initArgs...), " "), nil
 }
 
 // executeCommand is execute_command with the path of the script called name.

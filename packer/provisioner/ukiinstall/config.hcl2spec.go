@@ -26,6 +26,7 @@ type FlatConfig struct {
 	ESP                 *string           `mapstructure:"esp" cty:"esp" hcl:"esp"`
 	Output              *string           `mapstructure:"output" cty:"output" hcl:"output"`
 	StagingDirectory    *string           `mapstructure:"staging_directory" cty:"staging_directory" hcl:"staging_directory"`
+	VerifiedRoot        *FlatVerifiedRoot `mapstructure:"verified_root" cty:"verified_root" hcl:"verified_root"`
 	ExecuteCommand      *string           `mapstructure:"execute_command" cty:"execute_command" hcl:"execute_command"`
 }
 
@@ -57,7 +58,31 @@ func (*FlatConfig) HCL2Spec() map[string]hcldec.Spec {
 		"esp":                        &hcldec.AttrSpec{Name: "esp", Type: cty.String, Required: false},
 		"output":                     &hcldec.AttrSpec{Name: "output", Type: cty.String, Required: false},
 		"staging_directory":          &hcldec.AttrSpec{Name: "staging_directory", Type: cty.String, Required: false},
+		"verified_root":              &hcldec.BlockSpec{TypeName: "verified_root", Nested: hcldec.ObjectSpec((*FlatVerifiedRoot)(nil).HCL2Spec())},
 		"execute_command":            &hcldec.AttrSpec{Name: "execute_command", Type: cty.String, Required: false},
+	}
+	return s
+}
+
+// FlatVerifiedRoot is an auto-generated flat version of VerifiedRoot.
+// Where the contents of a field with a `mapstructure:,squash` tag are bubbled up.
+type FlatVerifiedRoot struct {
+	Device *string `mapstructure:"device" required:"true" cty:"device" hcl:"device"`
+}
+
+// FlatMapstructure returns a new FlatVerifiedRoot.
+// FlatVerifiedRoot is an auto-generated flat version of VerifiedRoot.
+// Where the contents a fields with a `mapstructure:,squash` tag are bubbled up.
+func (*VerifiedRoot) FlatMapstructure() interface{ HCL2Spec() map[string]hcldec.Spec } {
+	return new(FlatVerifiedRoot)
+}
+
+// HCL2Spec returns the hcl spec of a VerifiedRoot.
+// This spec is used by HCL to read the fields of VerifiedRoot.
+// The decoded values from this spec will then be applied to a FlatVerifiedRoot.
+func (*FlatVerifiedRoot) HCL2Spec() map[string]hcldec.Spec {
+	s := map[string]hcldec.Spec{
+		"device": &hcldec.AttrSpec{Name: "device", Type: cty.String, Required: false},
 	}
 	return s
 }

@@ -5,6 +5,10 @@
 // PCRs with internal/measure, and installs it on the machine's EFI system partition as the removable-media
 // boot loader, EFI/BOOT/BOOTX64.EFI. The machine needs nothing but a POSIX sh, readlink, cp and sha256sum.
 //
+// With verified_root, the image is another disk of the build machine: the machine's initramfs-tools learn to
+// open a dm-verity root (initramfs/), its root file system becomes an erofs image followed by its hash tree
+// on that disk, and the UKI, installed on that disk's own ESP, carries the root hash on its command line.
+//
 // The UKI stays on the Packer machine (output) for berth-manifest's uki: the manifest's prediction is then
 // made from the very bytes installed, whatever the builder's artifact (an AMI has no files to read).
 package ukiinstall
@@ -64,6 +68,12 @@ func (p *Provisioner) Provision(ctx context.Context, ui packersdk.Ui, comm packe
 
 func (p *Provisioner) provision(ctx context.Context, ui packersdk.Ui, comm packersdk.Communicator) error {
 	c := &p.config
+	if c.VerifiedRoot != nil {
+		ui.Say("Preparing a verified root: the initrd opens it through dm-verity")
+		if err := p.runScript(ctx, ui, comm, prepareScript, c.prepare()); err != nil {
+			return fmt.Errorf("preparing the verified root: %w", err)
+		}
+	}
 	if err := p.runScript(ctx, ui, comm, collectScript, c.collect()); err != nil {
 		return fmt.Errorf("collecting the kernel, initrd and os-release: %w", err)
 	}
@@ -92,6 +102,23 @@ func (p *Provisioner) provision(ctx context.Context, ui packersdk.Ui, comm packe
 		if cmdline, err = ownCmdline(string(files[stagedCmdline])); err != nil {
 			return err
 		}
+	}
+	if c.VerifiedRoot != nil {
+		// Last on the machine: the root file system it seals is the image, byte for byte.
+		start := time.Now()
+		ui.Say(fmt.Sprintf("Writing the verified root onto %s", c.VerifiedRoot.Device))
+		if err := p.runScript(ctx, ui, comm, sealScript, c.seal()); err != nil {
+			return fmt.Errorf("writing the verified root: %w", err)
+		}
+		var record bytes.Buffer
+		if err := comm.Download(path.Join(c.StagingDirectory, stagedVerity), &record); err != nil {
+			return fmt.Errorf("downloading the verified root's record: %w", err)
+		}
+		var err error
+		if cmdline, err = verifiedCmdline(cmdline, record.String()); err != nil {
+			return err
+		}
+		ui.Say(fmt.Sprintf("Wrote the verified root in %.0fs", time.Since(start).Seconds()))
 	}
 	ui.Say("Command line embedded in the UKI: " + cmdline)
 
@@ -130,6 +157,9 @@ func (p *Provisioner) provision(ctx context.Context, ui packersdk.Ui, comm packe
 	}
 	sum := sha256.Sum256(uki)
 	target := path.Join(c.ESP, "EFI/BOOT/BOOTX64.EFI")
+	if c.VerifiedRoot != nil {
+		target = "EFI/BOOT/BOOTX64.EFI on " + c.VerifiedRoot.Device
+	}
 	fi, err := os.Stat(c.Output)
 	if err != nil {
 		return err

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/sha256"
+	"debug/pe"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -48,16 +49,20 @@ kubelet:
 // path a user walks on a cloud:
 //   - a Debian 12 machine (scripts/debian-vm.sh) boots under TCG, berth-agent installs the agent, kubeadm and
 //     the kubelet (built from the Kubernetes module), berth-node makes it a node with the lab's container
-//     images (kube-proxy, Flannel, the probe), berth-uki-install installs a UKI of its own kernel, initrd and
-//     command line over SSH, and berth-manifest predicts its PCRs; the disk's root then holds what a node
-//     needs and nothing of the build machine's identity;
+//     images (kube-proxy, Flannel, the probe), berth-uki-install writes its root as a verified one (erofs
+//     under dm-verity) onto the image's disk and installs there a UKI of its own kernel, initrd and command
+//     line with the root hash, and berth-manifest predicts its PCRs; the image's root then verifies against
+//     that root hash, holds what a node needs and nothing of the build machine's identity;
 //   - meanwhile a lab brings up a control-plane node and a worker;
 //   - the join policy gains the image with the manifest's PCR 4, 9, 11 and 12, and the disk boots under QEMU
 //     with OVMF, no other boot option and a swtpm whose EK certificate the lab's EK CA issued, on the lab's
 //     bridge: its agent attests to the lab's join service (which checks the predicted PCRs), runs the real
 //     kubeadm join, and the Node is Ready;
 //   - a pod on it serves a Service that a pod on the lab's worker reaches across the pod network;
-//   - after `systemctl reboot` it unlocks its state disk and is Ready again, and the Service answers again.
+//   - kubeadm's, the kubelet's and etcd's directories are bound from the encrypted state volume;
+//   - after `systemctl reboot` it unlocks its state disk and is Ready again, and the Service answers again;
+//   - copies of the image with one byte of the root changed, or another root behind the same UKI, stop
+//     before they get a ticket (checkTamperedImages).
 func TestAccQEMUImage(t *testing.T) {
 	if os.Getenv(acctest.TestEnvVar) == "" {
 		t.Skipf("acceptance test with the real packer: make testacc-packer runs it (%s=1)", acctest.TestEnvVar)
@@ -69,7 +74,7 @@ func TestAccQEMUImage(t *testing.T) {
 	if _, err := exec.LookPath("qemu-img"); err != nil {
 		t.Fatal("qemu-img not found: the qemu builder needs Debian's qemu-utils")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
 	defer cancel()
 	packertest.Setup(t)
 	addPlugin(t, "qemu", "BERTH_PACKER_QEMU_PLUGINS")
@@ -124,10 +129,11 @@ func TestAccQEMUImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	img, ok := m.Image("berth-node-qemu")
-	if !ok || img.Builder != "qemu" || img.ArtifactID != filepath.Join(output, "berth.raw") {
+	image := filepath.Join(output, "berth.raw-1")
+	if !ok || img.Builder != "qemu" || img.ArtifactID != image {
 		t.Fatalf("manifest images %+v, want berth-node-qemu from the qemu builder", m.Images)
 	}
-	checkNodeRoot(t, filepath.Join(output, "berth.raw"))
+	checkNodeRoot(t, image, uki)
 
 	start = time.Now()
 	if err := <-clusterUp; err != nil {
@@ -155,7 +161,7 @@ func TestAccQEMUImage(t *testing.T) {
 
 	start = time.Now()
 	node, err := labvm.Start(l, labvm.Machine{Name: "vm-0", Role: metadata.RoleWorker, Addr: netip.MustParseAddr("10.250.0.40"),
-		Image: img.Name, Disk: filepath.Join(output, "berth.raw"), Dir: filepath.Join(dir, "vm"), Memory: 2048, CPUs: 2,
+		Image: img.Name, Disk: image, Dir: filepath.Join(dir, "vm"), Memory: 2048, CPUs: 2,
 		SSHKey: filepath.Join(vm, "key")})
 	if err != nil {
 		t.Fatal(err)
@@ -169,6 +175,7 @@ func TestAccQEMUImage(t *testing.T) {
 	}
 	t.Logf("the baked image booted, attested, joined with kubeadm and was Ready in %.0fs", time.Since(start).Seconds())
 	logStages(ctx, t, node)
+	checkStateDirs(ctx, t, node)
 
 	start = time.Now()
 	if err := l.WaitAddons(ctx); err != nil {
@@ -190,10 +197,125 @@ func TestAccQEMUImage(t *testing.T) {
 	}
 	t.Logf("after systemctl reboot, Ready again in %.0fs", time.Since(start).Seconds())
 	logStages(ctx, t, node)
+	checkStateDirs(ctx, t, node)
 	start = time.Now()
 	waitProbeBack(ctx, t, l, node, reboot)
 	reachVM(ctx, t, l, node, "after-reboot")
 	t.Logf("its pod ran again and answered in %.0fs", time.Since(start).Seconds())
+
+	// The machines with a tampered root get the CPU to themselves.
+	node.PowerOff()
+	checkTamperedImages(ctx, t, l, image, img.Name, dir)
+}
+
+// checkStateDirs checks that kubeadm's, the kubelet's and etcd's directories are bound from the encrypted
+// state volume, and that the kubelet's credentials from the join are there: after a reboot, that is what the
+// node found again, since the root keeps none of it.
+func checkStateDirs(ctx context.Context, t *testing.T, node *labvm.VM) {
+	t.Helper()
+	for _, dir := range []string{"/etc/kubernetes", "/var/lib/kubelet", "/var/lib/etcd"} {
+		out, err := node.SSH(ctx, "findmnt --noheadings --output SOURCE --mountpoint "+dir)
+		if want := "/dev/mapper/berth-state[/dirs" + dir + "]"; err != nil || strings.TrimSpace(out) != want {
+			t.Errorf("%s is mounted from %q (%v), want %s", dir, strings.TrimSpace(out), err, want)
+		}
+	}
+	if out, err := node.SSH(ctx, "test -s /var/lib/berth/dirs/etc/kubernetes/kubelet.conf"); err != nil {
+		t.Errorf("kubelet.conf is not on the state volume: %v %s", err, out)
+	}
+}
+
+// partition is the image's root partition, in bytes from the start of its disk.
+type partition struct {
+	disk         string
+	offset, size int64
+	uuid         string
+}
+
+// rootPartition finds the image's root partition: the second of two, named berth-root.
+func rootPartition(t *testing.T, disk string) partition {
+	t.Helper()
+	out, err := exec.Command("sfdisk", "--json", disk).Output()
+	if err != nil {
+		t.Fatalf("sfdisk --json %s: %v", disk, err)
+	}
+	var table struct {
+		PartitionTable struct {
+			SectorSize int64 `json:"sectorsize"`
+			Partitions []struct {
+				Start int64  `json:"start"`
+				Size  int64  `json:"size"`
+				UUID  string `json:"uuid"`
+				Name  string `json:"name"`
+			} `json:"partitions"`
+		} `json:"partitiontable"`
+	}
+	if err := json.Unmarshal(out, &table); err != nil || len(table.PartitionTable.Partitions) != 2 || table.PartitionTable.Partitions[1].Name != "berth-root" {
+		t.Fatalf("the image's partition table, want an ESP and berth-root: %v\n%s", err, out)
+	}
+	p := table.PartitionTable.Partitions[1]
+	sector := cmp.Or(table.PartitionTable.SectorSize, 512)
+	return partition{disk: disk, offset: p.Start * sector, size: p.Size * sector, uuid: p.UUID}
+}
+
+// loop attaches the partition as a loop device until the end of the test.
+func (p partition) loop(t *testing.T, readOnly bool) string {
+	t.Helper()
+	args := []string{"--show", "--find", "--offset", strconv.FormatInt(p.offset, 10), "--sizelimit", strconv.FormatInt(p.size, 10), p.disk}
+	if readOnly {
+		args = append([]string{"--read-only"}, args...)
+	}
+	out, err := exec.Command("losetup", args...).Output()
+	if err != nil {
+		t.Fatalf("losetup of %s's root partition: %v", p.disk, err)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+	return dev
+}
+
+// mount mounts what is on dev (the image's erofs) read-only until the end of the test.
+func mount(t *testing.T, dev string) string {
+	t.Helper()
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-o", "ro", dev, dir).CombinedOutput(); err != nil {
+		t.Fatalf("mounting %s: %v\n%s", dev, err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
+			t.Errorf("umount %s: %v\n%s", dir, err, out)
+		}
+	})
+	return dir
+}
+
+// verityRecord is berth.verity= of the UKI's command line: partition UUID, data blocks, hash offset, root
+// hash and salt.
+func verityRecord(t *testing.T, uki string) []string {
+	t.Helper()
+	f, err := pe.Open(uki)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	s := f.Section(".cmdline")
+	if s == nil {
+		t.Fatalf("%s has no .cmdline section", uki)
+	}
+	data, err := s.Data()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A section's data is padded to the file alignment.
+	line := strings.TrimRight(string(data), "\x00")
+	for _, item := range strings.Fields(line) {
+		if v, ok := strings.CutPrefix(item, "berth.verity="); ok {
+			if r := strings.Split(v, ":"); len(r) == 5 {
+				return r
+			}
+		}
+	}
+	t.Fatalf("the UKI's command line %q has no berth.verity=<uuid>:<blocks>:<offset>:<hash>:<salt>", line)
+	return nil
 }
 
 // logStages logs the stages of the machine's boot, for docs/lab.md's figures.
@@ -285,36 +407,23 @@ func fileSHA256(t *testing.T, name string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// checkNodeRoot mounts the root file system of the disk Packer wrote (its second partition) read-only and
-// finds what berth-node made of the machine: containerd configured for the kubelet, the units enabled, swap
-// off, and nothing of the build machine's identity left.
-func checkNodeRoot(t *testing.T, disk string) {
+// checkNodeRoot checks the image Packer wrote: an ESP and the root partition, whose erofs file system
+// followed by its hash tree verifies against the record on the UKI's command line (veritysetup verify, which
+// reads every block); and, mounting the erofs read-only, what berth-node made of the machine: containerd
+// configured for the kubelet, the units enabled, swap off, and nothing of the build machine's identity left.
+func checkNodeRoot(t *testing.T, disk, uki string) {
 	t.Helper()
-	out, err := exec.Command("sfdisk", "--json", disk).Output()
-	if err != nil {
-		t.Fatalf("sfdisk --json %s: %v", disk, err)
+	part := rootPartition(t, disk)
+	record := verityRecord(t, uki)
+	if !strings.EqualFold(record[0], part.uuid) {
+		t.Fatalf("the UKI's command line names partition %s, the image's root is %s", record[0], part.uuid)
 	}
-	var table struct {
-		PartitionTable struct {
-			SectorSize int64 `json:"sectorsize"`
-			Partitions []struct {
-				Start int64 `json:"start"`
-			} `json:"partitions"`
-		} `json:"partitiontable"`
+	dev := part.loop(t, true)
+	if out, err := exec.Command("veritysetup", "verify", dev, dev, record[3], "--no-superblock", "--data-blocks="+record[1],
+		"--hash-offset="+record[2], "--salt="+record[4]).CombinedOutput(); err != nil {
+		t.Fatalf("the image's root does not verify against the UKI's root hash: %v\n%s", err, out)
 	}
-	if err := json.Unmarshal(out, &table); err != nil || len(table.PartitionTable.Partitions) != 2 {
-		t.Fatalf("the disk's partition table: %v\n%s", err, out)
-	}
-	root := t.TempDir()
-	offset := table.PartitionTable.Partitions[1].Start * cmp.Or(table.PartitionTable.SectorSize, 512)
-	if out, err := exec.Command("mount", "-o", fmt.Sprintf("ro,loop,offset=%d", offset), disk, root).CombinedOutput(); err != nil {
-		t.Fatalf("mounting the disk's root: %v\n%s", err, out)
-	}
-	defer func() {
-		if out, err := exec.Command("umount", root).CombinedOutput(); err != nil {
-			t.Errorf("umount %s: %v\n%s", root, err, out)
-		}
-	}()
+	root := mount(t, dev)
 	read := func(name string) string {
 		data, err := os.ReadFile(filepath.Join(root, name))
 		if err != nil {
@@ -344,6 +453,11 @@ func checkNodeRoot(t *testing.T, disk string) {
 	for _, name := range []string{"usr/bin/kubelet", "usr/bin/kubeadm", "usr/local/bin/berth-agent", strings.TrimPrefix(lab.CNIBinDir, "/") + "/bridge", "usr/bin/containerd"} {
 		if fi, err := os.Stat(filepath.Join(root, name)); err != nil || fi.Mode().Perm()&0o111 == 0 {
 			t.Errorf("%s is not an executable in the image: %v", name, err)
+		}
+	}
+	for _, line := range strings.Split(read("etc/fstab"), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && !strings.HasPrefix(f[0], "#") && (f[1] == "/" || f[1] == "/boot/efi") {
+			t.Errorf("the image's fstab still mounts the build machine's %s: %q", f[1], line)
 		}
 	}
 	if id := read("etc/machine-id"); id != "" {
