@@ -1,34 +1,37 @@
 # An AMI for EC2 instances with NitroTPM that boots a unified kernel image (UKI) whose TPM measurements
-# berth-image.json predicts, so that a join policy admits exactly the nodes launched from it.
+# berth-image.json predicts, and whose root file system those measurements cover, so that a join policy admits
+# exactly the nodes launched from it.
 #
 # The build instance is Debian 12's own AMI. The berth-agent provisioner installs the agent, its unit,
 # aws/agent.yaml, kubeadm and the kubelet; berth-node makes the instance a Kubernetes node (containerd and the
 # tools kubeadm runs from Debian's archive, the kubelet's unit, kernel settings, the pause image, and an image
-# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
-# and the build instance's own kernel, initrd, os-release and command line, and installs it on the instance's
-# EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays
-# zero) from that same file and records them with the AMI id of each region.
+# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then
+# makes the instance's root a verified one: it teaches the initrd to open a dm-verity root, writes the root
+# file system as erofs with its hash tree onto the second volume (/dev/sdf, the image), assembles a UKI here
+# from Debian's systemd-stub (var.stub) and the instance's own kernel, initrd, os-release and command line plus
+# the root hash, and installs it on that volume's EFI system partition as EFI/BOOT/BOOTX64.EFI; berth-manifest
+# predicts PCR 4, 9 and 11 (and 12, which stays zero) from that same file and records them with the AMI id of
+# each region. The build instance's own root volume is only where the build ran: it is not part of the AMI.
 #
 # What the prediction covers: the UKI's Authenticode hash and that of the kernel in it (PCR 4), the embedded
-# command line and the initrd as the kernel measures them (PCR 9), every UKI section (PCR 11). What it does
-# not cover: the firmware's own PCRs (0-3, 5-7), which are EC2's, and the root file system (the agent, the
-# kubelet), which Debian's initrd mounts from the EBS volume unmeasured. The PCRs prove the kernel, initrd and
-# command line a node booted, not what its root volume holds: an AMI registered from another snapshot with
-# the same UKI measures the same.
+# command line (with the root hash) and the initrd as the kernel measures them (PCR 9), every UKI section
+# (PCR 11); through the root hash, every byte of the root file system: the initrd opens it through dm-verity,
+# and a block that does not match its hash stops the node (docs/threat-model.md). What it does not cover: the
+# firmware's own PCRs (0-3, 5-7), which are EC2's.
 #
-# Why the AMI boots the UKI: amazon-ebssurrogate registers the AMI (RegisterImage) from a snapshot of the build
-# instance's own root volume with boot_mode "uefi", tpm_support "v2.0" and no uefi_data, so every instance
-# starts with an empty UEFI variable store: no boot entry names Debian's shim or GRUB, and the firmware starts
-# the removable-media path of the boot disk, EFI/BOOT/BOOTX64.EFI, which is the UKI. (amazon-ebs cannot
-# make this AMI: it uses CreateImage, and v1.8.0 has no tpm_support or boot_mode.) The prediction was checked
-# against a real boot under QEMU with OVMF and a swtpm (make e2e-measured-boot); EC2's firmware is also EDK2,
-# but a boot on EC2 has not been checked from this repository: compare the first node's PCRs
-# (/sys/class/tpm/tpm0/pcr-sha256/4, 9, 11, 12) with the manifest before relying on it.
+# Why the AMI boots the UKI: amazon-ebssurrogate registers the AMI (RegisterImage) from a snapshot of the image
+# volume with boot_mode "uefi", tpm_support "v2.0" and no uefi_data, so every instance starts with an empty
+# UEFI variable store and its firmware starts the removable-media path of the boot disk,
+# EFI/BOOT/BOOTX64.EFI: the UKI, the only program on that disk. (amazon-ebs cannot make this AMI: it uses
+# CreateImage of the instance's root, and v1.8.0 has no tpm_support or boot_mode.) The prediction and the
+# verified root were checked against real boots under QEMU with OVMF and a swtpm (qemu.pkr.hcl, which runs
+# the same provisioners, TestAccQEMUImage); EC2's firmware is also EDK2, but no build or boot on EC2 has been
+# run from this repository: compare the first node's PCRs (berth-agent doctor; docs/node-image.md) with the
+# manifest before relying on it.
 #
-# The image must not change the UKI afterwards. Debian's cloud images install GRUB to the removable-media path
-# too, so an upgrade of GRUB would replace the UKI: the node would then boot GRUB, its PCR 4 would differ and
-# the join service would refuse it. The build therefore masks apt's timers, which start unattended upgrades;
-# nodes are replaced by new images, not upgraded in place.
+# Nodes are replaced by new images, never upgraded in place: the root is read-only, and what a package
+# upgrade wrote would live in RAM until the next boot, unmeasured. The build masks apt's timers, which start
+# unattended upgrades.
 #
 #   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
 #   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
@@ -138,18 +141,28 @@ source "amazon-ebssurrogate" "node" {
   # key pair's key from cloud-init at its first boot.
   ssh_clear_authorized_keys = true
 
-  # The build instance's own root volume becomes the AMI's: kept after the instance ends, snapshotted once
-  # the instance has stopped, registered as the root device.
+  # The build instance's root (Debian's AMI, where the build runs) is left out of the AMI. The image volume,
+  # sdf, gets the ESP with the UKI and the verified root (berth-uki-install's verified_root); its snapshot,
+  # taken once the instance has stopped, is registered as the AMI's root device. Its size must hold the root
+  # file system compressed with its hash tree, and 64 MiB: the qemu-builder image's root, from a smaller
+  # Debian, came to 464 MiB (docs/lab.md); 4 GiB leaves room for Debian's cloud image and your packages.
   launch_block_device_mappings {
     device_name           = "/dev/xvda"
     volume_size           = 8
     volume_type           = "gp3"
     delete_on_termination = true
+    omit_from_artifact    = true
+  }
+  launch_block_device_mappings {
+    device_name           = "/dev/sdf"
+    volume_size           = 4
+    volume_type           = "gp3"
+    delete_on_termination = true
   }
   ami_root_device {
-    source_device_name    = "/dev/xvda"
+    source_device_name    = "/dev/sdf"
     device_name           = "/dev/xvda"
-    volume_size           = 8
+    volume_size           = 4
     volume_type           = "gp3"
     delete_on_termination = true
   }
@@ -180,9 +193,9 @@ source "amazon-ebssurrogate" "node" {
 build {
   sources = ["source.amazon-ebssurrogate.node"]
 
-  # Nodes are replaced by new images, never upgraded in place: an upgrade of GRUB would replace the UKI on
-  # the ESP, and one of the kernel would change nothing the node boots. apt's timers are what start
-  # unattended-upgrades; masked, no package can enable them again.
+  # Nodes are replaced by new images, never upgraded in place: on a read-only root an upgrade would only
+  # fill RAM with files no measurement covers. apt's timers are what start unattended-upgrades; masked, no
+  # package can enable them again.
   provisioner "shell" {
     execute_command = "sudo -n sh -eu '{{.Path}}'"
     inline = [
@@ -196,7 +209,7 @@ build {
     agent_config    = "${path.root}/aws/agent.yaml"
     execute_command = "sudo -n sh '{{.Path}}'"
 
-    # The link agent.yaml names the state disk by.
+    # The links agent.yaml names the state disk by, and berth-uki-install the image volume.
     files {
       source      = "${path.root}/aws/90-berth-ebs.rules"
       destination = "/etc/udev/rules.d/90-berth-ebs.rules"
@@ -219,13 +232,17 @@ build {
     execute_command = "sudo -n sh '{{.Path}}'"
   }
 
-  # Last, so that nothing after it changes the kernel or initrd it embeds. The command line is the build
-  # instance's own without GRUB's BOOT_IMAGE=: its root= names the root file system by an id that every
-  # instance's copy of the snapshot keeps (Debian's cloud images use the partition's PARTUUID).
+  # Last, so that nothing after it changes the kernel, initrd or root it seals. The command line is the build
+  # instance's own without GRUB's BOOT_IMAGE= and its root=, which name the build's root: the verified root's
+  # take their place. /dev/disk/by-ebs-name/sdf is the link 90-berth-ebs.rules (installed above) makes for
+  # the image volume; berth-uki-install has udev apply the new rule to the disks already attached.
   provisioner "berth-uki-install" {
     stub            = var.stub
     output          = var.uki
     execute_command = "sudo -n sh '{{.Path}}'"
+    verified_root {
+      device = "/dev/disk/by-ebs-name/sdf"
+    }
   }
 
   post-processor "berth-manifest" {

@@ -1,20 +1,24 @@
 # A Compute Engine image for Shielded VM instances with a vTPM that boots a unified kernel image (UKI) whose
-# TPM measurements berth-image.json predicts, so that a join policy admits exactly the nodes launched from it.
+# TPM measurements berth-image.json predicts, and whose root file system those measurements cover, so that a
+# join policy admits exactly the nodes launched from it.
 #
 # The path is the AWS image's (aws.pkr.hcl): the build instance is Debian 12's own GCE image (family
 # debian-12 of the project debian-cloud); the berth-agent provisioner installs the agent, its unit,
 # gcp/agent.yaml, kubeadm and the kubelet; berth-node makes the instance a Kubernetes node (containerd and the
 # tools kubeadm runs from Debian's archive, the kubelet's unit, kernel settings, the pause image, and an image
-# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then assembles a UKI on this machine from Debian's systemd-stub (var.stub)
-# and the build instance's own kernel, initrd, os-release and command line, and installs it on the instance's
-# EFI system partition as EFI/BOOT/BOOTX64.EFI; googlecompute stops the instance and makes the image from its
-# boot disk; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays zero) from that same file and records
-# them with the image's self-link, https://www.googleapis.com/compute/v1/projects/<project>/global/images/<name>
-# (images are global on Compute Engine: one entry, whatever the zone of the build).
+# generic enough for every instance: no machine-id, SSH host keys or cloud-init state); berth-uki-install then
+# makes the root a verified one: it teaches the initrd to open a dm-verity root, writes the root file system
+# as erofs with its hash tree onto a second disk (device name berth-image, the image), assembles a UKI on this
+# machine from Debian's systemd-stub (var.stub) and the build instance's own kernel, initrd, os-release and
+# command line plus the root hash, and installs it on that disk's EFI system partition as
+# EFI/BOOT/BOOTX64.EFI; googlecompute stops the instance and makes the image from that disk (create_image),
+# not from the boot disk the build ran on; berth-manifest predicts PCR 4, 9 and 11 (and 12, which stays zero)
+# from that same file and records them with the image's self-link,
+# https://www.googleapis.com/compute/v1/projects/<project>/global/images/<name> (images are global on Compute
+# Engine: one entry, whatever the zone of the build).
 #
-# Why the image boots the UKI: a new instance starts with its own, empty UEFI variable store (the build
-# instance's boot entries are not part of the image), so its firmware finds no boot entry naming Debian's shim
-# or GRUB and starts the removable-media path of the boot disk, EFI/BOOT/BOOTX64.EFI, which is the UKI.
+# Why the image boots the UKI: a new instance starts with its own, empty UEFI variable store, so its firmware
+# starts the removable-media path of the boot disk, EFI/BOOT/BOOTX64.EFI: the UKI, the only program on it.
 #
 # Secure boot, and which PCRs each choice fixes. Compute Engine keeps the Shielded VM settings per instance,
 # not per image: enable_secure_boot, enable_vtpm and enable_integrity_monitoring below are the build instance's,
@@ -35,19 +39,18 @@
 # identity); integrity monitoring needs it, and compares every boot with the first one's measurements.
 #
 # What the prediction covers: the UKI's Authenticode hash and that of the kernel in it (PCR 4), the embedded
-# command line and the initrd as the kernel measures them (PCR 9), every UKI section (PCR 11). What it does not
-# cover: the firmware's own PCRs (0-3, 5-7), which are Google's, and the root file system (the agent, the
-# kubelet), which Debian's initrd mounts from the persistent disk unmeasured: the PCRs prove the kernel, initrd
-# and command line a node booted, not what its boot disk holds. PCR 4 equals the prediction only when the UKI
-# is the first boot application the firmware starts. The prediction was checked against a real boot under
-# QEMU with OVMF and a swtpm (qemu.pkr.hcl, TestAccQEMUImage); no build or boot on Compute Engine has been run
-# from this repository: compare the first node's PCRs (/sys/class/tpm/tpm0/pcr-sha256/4, 9, 11, 12) with the
-# manifest before relying on them.
+# command line (with the root hash) and the initrd as the kernel measures them (PCR 9), every UKI section
+# (PCR 11); through the root hash, every byte of the root file system: the initrd opens it through dm-verity,
+# and a block that does not match its hash stops the node (docs/threat-model.md). What it does not cover: the
+# firmware's own PCRs (0-3, 5-7), which are Google's. PCR 4 equals the prediction only when the UKI is the
+# first boot application the firmware starts. The prediction and the verified root were checked against real
+# boots under QEMU with OVMF and a swtpm (qemu.pkr.hcl, which runs the same provisioners, TestAccQEMUImage); no
+# build or boot on Compute Engine has been run from this repository: compare the first node's PCRs
+# (berth-agent doctor; docs/node-image.md) with the manifest before relying on them.
 #
-# The image must not change the UKI afterwards: Debian installs GRUB to the removable-media path too, so an
-# upgrade of GRUB would replace the UKI, the node would boot GRUB, its PCR 4 would differ and the join service
-# would refuse it. The build masks apt's timers, which start unattended upgrades; keep VM Manager's OS patch
-# jobs away from these instances for the same reason. Nodes are replaced by new images, not upgraded in place.
+# Nodes are replaced by new images, not upgraded in place: the root is read-only, and what a package upgrade
+# wrote would live in RAM until the next boot, unmeasured. The build masks apt's timers, which start
+# unattended upgrades; keep VM Manager's OS patch jobs away from these instances for the same reason.
 #
 #   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
 #   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
@@ -165,6 +168,19 @@ source "googlecompute" "node" {
   disk_size               = 10
   disk_type               = "pd-balanced"
 
+  # The image: berth-uki-install writes the ESP with the UKI and the verified root onto this disk, which
+  # Google's guest environment links as /dev/disk/by-id/google-berth-image, and googlecompute makes the image
+  # from it. It must hold the root file system compressed with its hash tree, and 64 MiB (the qemu-builder
+  # image's root, from a smaller Debian, came to 464 MiB: docs/lab.md); 10 GB is the smallest pd-balanced
+  # disk, and the nodes' boot disks (examples/gcp: 20 GB) must be at least as large. The build's boot disk
+  # above is only where the build ran.
+  disk_attachment {
+    volume_type  = "pd-balanced"
+    volume_size  = 10
+    device_name  = "berth-image"
+    create_image = true
+  }
+
   # Packer's own key, added to the instance's metadata for this build; project-wide keys stay out. The guest
   # agent creates the user with passwordless sudo. (Where an organization policy enforces OS Login, set
   # use_os_login = true instead.)
@@ -194,9 +210,9 @@ source "googlecompute" "node" {
 build {
   sources = ["source.googlecompute.node"]
 
-  # Nodes are replaced by new images, never upgraded in place: an upgrade of GRUB would replace the UKI on
-  # the ESP, and one of the kernel would change nothing the node boots. apt's timers are what start
-  # unattended-upgrades; masked, no package can enable them again.
+  # Nodes are replaced by new images, never upgraded in place: on a read-only root an upgrade would only
+  # fill RAM with files no measurement covers. apt's timers are what start unattended-upgrades; masked, no
+  # package can enable them again.
   provisioner "shell" {
     execute_command = "sudo -n sh -eu '{{.Path}}'"
     inline = [
@@ -225,13 +241,16 @@ build {
     execute_command = "sudo -n sh '{{.Path}}'"
   }
 
-  # Last, so that nothing after it changes the kernel or initrd it embeds. The command line is the build
-  # instance's own without GRUB's BOOT_IMAGE=: its root= names the root file system by an id that every disk
-  # made from the image keeps (Debian's cloud images use the partition's PARTUUID).
+  # Last, so that nothing after it changes the kernel, initrd or root it seals. The command line is the build
+  # instance's own without GRUB's BOOT_IMAGE= and its root=, which name the build's root: the verified root's
+  # take their place.
   provisioner "berth-uki-install" {
     stub            = var.stub
     output          = var.uki
     execute_command = "sudo -n sh '{{.Path}}'"
+    verified_root {
+      device = "/dev/disk/by-id/google-berth-image"
+    }
   }
 
   # The googlecompute artifact's id is the image's name; berth-manifest records its self-link as artifact_id.

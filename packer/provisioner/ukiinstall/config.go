@@ -77,7 +77,8 @@ type VerifiedRoot struct {
 	// qemu builder's disk_additional_size, amazon-ebssurrogate's launch_block_device_mappings): its
 	// contents are replaced by a GPT with an EFI system partition holding the UKI and a partition with the
 	// root file system (erofs, lz4) followed by its dm-verity hash tree. It must hold the root file system
-	// compressed, about 1 % more, and 64 MiB.
+	// compressed, about 1 % more, and 64 MiB. A link made by a udev rule that this build installed (such as
+	// /dev/disk/by-ebs-name/sdf) works too: udev applies its rules again when the device is missing.
 	Device string `mapstructure:"device" required:"true"`
 }
 

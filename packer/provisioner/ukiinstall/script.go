@@ -132,7 +132,14 @@ export PATH="$PATH:/usr/sbin:/sbin"
 	for _, t := range verityTools {
 		fmt.Fprintf(&b, "command -v %s >/dev/null || fail \"verified_root needs %s (Debian package %s) on this machine\"\n", t[0], t[0], t[1])
 	}
-	b.WriteString(`[ -b "$device" ] || fail "verified_root.device $device is not a block device on this machine"
+	b.WriteString(`if [ ! -b "$device" ] && command -v udevadm >/dev/null; then
+	# A link that a udev rule installed by this build makes (aws.pkr.hcl's /dev/disk/by-ebs-name/sdf)
+	# appears only once udev has applied its rules to the disks already attached.
+	udevadm control --reload || true
+	udevadm trigger --action=change --subsystem-match=block || true
+	udevadm settle --timeout=30 || true
+fi
+[ -b "$device" ] || fail "verified_root.device $device is not a block device on this machine"
 dev=$(readlink -f -- "$device")
 [ "$(lsblk -dno TYPE "$dev")" = disk ] || fail "verified_root.device $device ($dev) is not a whole disk: the image's partition table goes on it"
 root_disk=$(lsblk -no PKNAME "$(findmnt -no SOURCE /)" || true)
