@@ -73,6 +73,22 @@ variable "kubernetes_files" {
   description = "kubeadm, kubelet and kubectl, each pinned by its SHA-256."
 }
 
+variable "extra_files" {
+  type = list(object({
+    source      = string
+    destination = string
+    sha256      = string
+  }))
+  description = "More files the berth-agent provisioner installs, each pinned by its SHA-256: udev rules, CA bundles."
+  default     = []
+}
+
+variable "image_device" {
+  type        = string
+  description = "The second disk as the build machine names it: the image berth-uki-install writes."
+  default     = "/dev/vdb"
+}
+
 variable "images" {
   type        = list(string)
   description = "Container images the machine pulls and keeps; null keeps berth-node's default (the pause image)."
@@ -157,7 +173,7 @@ build {
     agent_config = var.agent_config
 
     dynamic "files" {
-      for_each = var.kubernetes_files
+      for_each = concat(var.kubernetes_files, var.extra_files)
       content {
         source      = files.value.source
         destination = files.value.destination
@@ -184,7 +200,7 @@ build {
     stub   = var.stub
     output = var.uki
     verified_root {
-      device = "/dev/vdb"
+      device = var.image_device
     }
   }
 

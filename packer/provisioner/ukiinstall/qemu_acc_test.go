@@ -99,6 +99,14 @@ func TestAccQEMUImage(t *testing.T) {
 	if err := os.WriteFile(agentConfig, []byte(fmt.Sprintf(vmAgentConfig, lab.MetadataURL)), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// The image disk by a link that only a udev rule installed in this same build makes, as aws.pkr.hcl
+	// names its image volume by 90-berth-ebs.rules: berth-uki-install must have udev apply the new rule.
+	// (On the booted node vdb is the state disk, which the rule then also links: nothing reads that link.)
+	imageRule := filepath.Join(dir, "90-berth-image.rules")
+	if err := os.WriteFile(imageRule, []byte("KERNEL==\"vdb\", SYMLINK+=\"disk/by-berth/image\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	extraFiles := fmt.Sprintf("[{source=%q, destination=%q, sha256=%q}]", imageRule, "/etc/udev/rules.d/90-berth-image.rules", fileSHA256(t, imageRule))
 
 	// The cluster comes up while Packer builds: each leaves most of the other's CPU.
 	clusterUp := make(chan error, 1)
@@ -112,7 +120,7 @@ func TestAccQEMUImage(t *testing.T) {
 	start := time.Now()
 	out, err := runPacker(t, "build", "-var", "vm="+vm, "-var", "stub="+parts.Stub, "-var", "output_directory="+output,
 		"-var", "uki="+uki, "-var", "manifest="+manifestPath, "-var", "agent_binary="+agent, "-var", "agent_config="+agentConfig, "-var", "cni_bin_dir="+lab.CNIBinDir,
-		"-var", "kubernetes_files=["+strings.Join(files, ", ")+"]",
+		"-var", "kubernetes_files=["+strings.Join(files, ", ")+"]", "-var", "extra_files="+extraFiles, "-var", "image_device=/dev/disk/by-berth/image",
 		// The machine reaches no registry here: the lab's images come as archives.
 		"-var", "images=[]", "-var", "image_archives=["+strings.Join(archives, ", ")+"]", "qemu.pkr.hcl")
 	if err != nil {
