@@ -40,6 +40,10 @@ var (
 	ClusterID = Label{name: "cluster-id"}
 )
 
+// DiskKeySize is the size of a state disk's key: what join services, init servers and operators' recovery
+// derive for a DiskLabel, and what a node accepts in a ticket.
+const DiskKeySize = 32
+
 // DiskLabel returns the label of the state-disk key for the disk with the given id. Only the
 // canonical lowercase form of a UUID (8-4-4-4-12 hex digits) is accepted, so two spellings of
 // one id cannot yield two keys and an id cannot smuggle another label ("../measurement-secret").

@@ -98,7 +98,7 @@ func FuzzValidateRequest(f *testing.F) {
 		if !kubernetesVersion.MatchString(version) || clusterName == "" {
 			t.Fatalf("accepted version %q, cluster name %q", version, clusterName)
 		}
-		wantKey, err := keys.Derive(master, salt, disk, diskKeySize)
+		wantKey, err := keys.Derive(master, salt, disk, keys.DiskKeySize)
 		if err != nil || !bytes.Equal(p.diskKey, wantKey) {
 			t.Fatalf("disk key is not the one derived from the request (%v)", err)
 		}

@@ -25,7 +25,6 @@ import (
 const (
 	minMasterSecret = 32
 	minSalt         = 16
-	diskKeySize     = 32
 )
 
 // kubernetesVersion accepts the release versions kubeadm is baked with: v1.36.3, or a pre-release such
@@ -120,7 +119,7 @@ func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base k
 		endpoint = net.JoinHostPort(advertise.Unmap().String(), strconv.Itoa(int(kubeadm.DefaultBindPort)))
 	}
 
-	diskKey, err := keys.Derive(req.MasterSecret, req.Salt, disk, diskKeySize)
+	diskKey, err := keys.Derive(req.MasterSecret, req.Salt, disk, keys.DiskKeySize)
 	if err != nil {
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package joinclient
 
 import (
 	"crypto/ecdsa"
+	"crypto/subtle"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
@@ -9,14 +10,17 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -48,26 +52,141 @@ func KubeletCertPath(p nodestate.Paths) string {
 	return filepath.Join(p.KubeletDir, "pki", "kubelet-client-current.pem")
 }
 
-// writeCredentials puts the ticket's material where the kubelet (and, with the kubeadm method, kubeadm)
-// expects it and returns the path of the kubeadm join configuration, or "" when the ticket's method needs
-// no kubeadm. The kubelet's kubeconfig is written with the certificate the join service issued, so the
-// kubelet starts with an identity checked against the instance record instead of bootstrapping one of its
-// own choosing. Everything is checked and rendered before the first file is written.
-func writeCredentials(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey) (string, error) {
+// joinPlan is everything a join ticket leaves on the node, checked and rendered before the node commits to
+// the ticket (takes its lock, keys its disk), so that a ticket that fails any check leaves the node as it was.
+type joinPlan struct {
+	diskKey []byte
+	// files are the credentials and configuration in the order they are written: the kubelet's kubeconfig
+	// is written with the certificate the join service issued, so the kubelet starts with an identity
+	// checked against the instance record instead of bootstrapping one of its own choosing.
+	files []credentialFile
+	// joinConfig is the path of the kubeadm join configuration among files, "" when the ticket's method
+	// needs no kubeadm.
+	joinConfig string
+	// secrets, for a control-plane node, are what its own join service derives keys from.
+	secrets *nodestate.ClusterSecrets
+	// unlockPolicy is what the node may seal its disk key to; nil when the ticket has none.
+	unlockPolicy []byte
+}
+
+// planJoin checks the whole ticket for the node self, whose state disk is diskUUID and whose CSR carried
+// kubeletKey, and renders what it leaves on the node. Its errors name the field that failed and never carry
+// secret material.
+func planJoin(cfg *Config, self *metadata.Self, t *berthv1.JoinTicket, kubeletKey *ecdsa.PrivateKey, diskUUID string) (*joinPlan, error) {
+	inst := self.Instance
 	caCert, cert, err := checkTicket(inst, t, kubeletKey)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
-	files, joinConfigPath, err := credentialFiles(cfg, inst, t, caCert, cert, kubeletKey)
+	if err := checkDiskKey(t.DiskKey); err != nil {
+		return nil, err
+	}
+	files, joinConfig, err := credentialFiles(cfg, inst, t, caCert, cert, kubeletKey)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
-	for _, f := range files {
-		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
-			return "", err
+	plan := &joinPlan{diskKey: t.DiskKey, files: files, joinConfig: joinConfig}
+	if t.ClusterSecrets != nil {
+		if plan.secrets, err = checkClusterSecrets(self, t, diskUUID); err != nil {
+			return nil, fmt.Errorf("ticket's cluster secrets: %w", err)
 		}
 	}
-	return joinConfigPath, nil
+	if len(t.UnlockPolicy) > 0 {
+		if err := checkUnlockPolicy(t.UnlockPolicy, inst.Role); err != nil {
+			return nil, fmt.Errorf("ticket's unlock policy: %w", err)
+		}
+		plan.unlockPolicy = t.UnlockPolicy
+	}
+	return plan, nil
+}
+
+// checkClusterSecrets checks the secrets a control-plane node's own join service will derive every key from
+// and sign with: the master secret and salt must derive the very disk key the ticket carries for this disk
+// (so they are the cluster's, not any secret), and the join CA must be the one this node pins in its
+// user-data (so the node's join service presents the certificate every node checks).
+func checkClusterSecrets(self *metadata.Self, t *berthv1.JoinTicket, diskUUID string) (*nodestate.ClusterSecrets, error) {
+	s := t.ClusterSecrets
+	label, err := keys.DiskLabel(diskUUID)
+	if err != nil {
+		return nil, err
+	}
+	derived, err := keys.Derive(s.MasterSecret, s.Salt, label, keys.DiskKeySize)
+	if err != nil {
+		return nil, err
+	}
+	if subtle.ConstantTimeCompare(derived, t.DiskKey) != 1 {
+		return nil, errors.New("the master secret and salt do not derive the ticket's disk key")
+	}
+	joinCA, err := pki.ParseCA(s.JoinCaCertificate, s.JoinCaKey)
+	if err != nil {
+		return nil, fmt.Errorf("join CA: %w", err)
+	}
+	if !pki.PinMatches(self.UserData.JoinCAPin, joinCA.Cert) {
+		return nil, fmt.Errorf("join CA %q is not the one this node's user-data pins", joinCA.Cert.Subject.CommonName)
+	}
+	return &nodestate.ClusterSecrets{
+		MasterSecret: s.MasterSecret, Salt: s.Salt, JoinCACert: s.JoinCaCertificate, JoinCAKey: s.JoinCaKey,
+		APIServerEndpoint: t.ApiServerEndpoint, KubernetesVersion: t.KubernetesVersion,
+	}, nil
+}
+
+// checkRejoinTicket checks a rejoin ticket before the node uses it: a disk key of the size join services
+// derive, and an unlock policy the node could seal to.
+func checkRejoinTicket(t *berthv1.RejoinTicket, role metadata.Role) error {
+	if err := checkDiskKey(t.DiskKey); err != nil {
+		return err
+	}
+	if len(t.UnlockPolicy) > 0 {
+		if err := checkUnlockPolicy(t.UnlockPolicy, role); err != nil {
+			return fmt.Errorf("ticket's unlock policy: %w", err)
+		}
+	}
+	return nil
+}
+
+// checkDiskKey checks a ticket's disk key is of the size every join service derives.
+func checkDiskKey(key []byte) error {
+	if n := len(key); n != keys.DiskKeySize {
+		return fmt.Errorf("ticket's disk key is %d bytes, want %d", n, keys.DiskKeySize)
+	}
+	return nil
+}
+
+// checkUnlockPolicy checks a ticket's unlock policy as the node will read it when it seals its disk key:
+// a policy that parses, each of whose images admits the node's role (the join service sends the part of
+// its policy for that role).
+func checkUnlockPolicy(data []byte, role metadata.Role) error {
+	p, err := policy.Parse(data)
+	if err != nil {
+		return err
+	}
+	for _, img := range p.Images {
+		if !slices.Contains(img.Roles, role) {
+			return fmt.Errorf("image %q is not for a %s node", img.Name, role)
+		}
+	}
+	return nil
+}
+
+// write leaves the plan's files on the node: the credentials and configuration, then the cluster secrets
+// and the unlock policy.
+func (p *joinPlan) write(cfg *Config) error {
+	for _, f := range p.files {
+		if err := nodestate.WriteFile(f.path, f.data, f.mode); err != nil {
+			return fmt.Errorf("writing credentials: %w", err)
+		}
+	}
+	if p.secrets != nil {
+		if err := nodestate.WriteSecrets(cfg.Paths.State, p.secrets); err != nil {
+			return fmt.Errorf("writing cluster secrets: %w", err)
+		}
+	}
+	if p.unlockPolicy != nil {
+		if err := nodestate.WriteFile(filepath.Join(cfg.Paths.State, UnlockPolicyFile), p.unlockPolicy, 0o600); err != nil {
+			return fmt.Errorf("writing the unlock policy: %w", err)
+		}
+	}
+	return nil
 }
 
 // checkTicket checks what the node will trust in a ticket: that it is for this node (its name; control-plane

@@ -14,9 +14,11 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
 
@@ -41,15 +43,24 @@ func ticketFor(t *testing.T, ca *pki.CA, inst metadata.Instance) (*berthv1.JoinT
 	if err != nil {
 		t.Fatal(err)
 	}
-	csr, err := x509.ParseCertificateRequest(csrDER)
+	ticket, err := ticketForCSR(ca, inst, csrDER)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return ticket, key
+}
+
+// ticketForCSR is the ticket a join service would issue to inst for the CSR csrDER.
+func ticketForCSR(ca *pki.CA, inst metadata.Instance, csrDER []byte) (*berthv1.JoinTicket, error) {
+	csr, err := x509.ParseCertificateRequest(csrDER)
+	if err != nil {
+		return nil, err
 	}
 	cert, err := ca.IssueClient(pki.ClientTemplate{
 		CommonName: csr.Subject.CommonName, Organization: csr.Subject.Organization, IPAddresses: csr.IPAddresses,
 	}, csr.PublicKey, time.Now(), time.Hour)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	return &berthv1.JoinTicket{
 		NodeName:                inst.Name,
@@ -61,7 +72,18 @@ func ticketFor(t *testing.T, ca *pki.CA, inst metadata.Instance) (*berthv1.JoinT
 		KubernetesCaCertificate: ca.Cert.Raw,
 		KubernetesVersion:       "v1.36.3",
 		JoinMethod:              berthv1.JoinMethod_JOIN_METHOD_KUBEADM,
-	}, key
+		DiskKey:                 bytes.Repeat([]byte{0x5a}, keys.DiskKeySize),
+	}, nil
+}
+
+// writeCredentials plans the join of inst with ticket for testDisk and writes what it leaves, as Join does
+// once it holds the node lock and has keyed the disk. It returns the kubeadm join configuration's path.
+func writeCredentials(cfg *Config, inst metadata.Instance, ticket *berthv1.JoinTicket, key *ecdsa.PrivateKey) (string, error) {
+	plan, err := planJoin(cfg, &metadata.Self{Instance: inst}, ticket, key, testDisk.UUID)
+	if err != nil {
+		return "", err
+	}
+	return plan.joinConfig, plan.write(cfg)
 }
 
 func newKubeCA(t *testing.T) *pki.CA {
@@ -356,6 +378,177 @@ func TestWriteCredentialsRefusesTicketsNotForThisNode(t *testing.T) {
 			}
 			if _, err := os.Stat(p.KubernetesDir); err == nil {
 				t.Error("files were written for a refused ticket")
+			}
+		})
+	}
+}
+
+// clusterSecretsFor makes the cluster secrets a join service sends a control-plane node with testDisk:
+// the ticket's disk key derived from them, and self's pin of their join CA.
+func clusterSecretsFor(t *testing.T, ticket *berthv1.JoinTicket, self *metadata.Self) {
+	t.Helper()
+	master, salt := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 16)
+	label, err := keys.DiskLabel(testDisk.UUID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ticket.DiskKey, err = keys.Derive(master, salt, label, keys.DiskKeySize); err != nil {
+		t.Fatal(err)
+	}
+	joinCA, err := pki.NewCA("join", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyPEM, err := joinCA.KeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ticket.ClusterSecrets = &berthv1.ClusterSecrets{MasterSecret: master, Salt: salt, JoinCaCertificate: joinCA.CertPEM(), JoinCaKey: keyPEM}
+	self.UserData.JoinCAPin = pki.SPKIPin(joinCA.Cert)
+}
+
+// unlockPolicyFor is a one-image unlock policy for role.
+func unlockPolicyFor(t *testing.T, role metadata.Role) []byte {
+	t.Helper()
+	p := &policy.Policy{Images: []policy.Image{{Name: "node-" + string(role), Roles: []metadata.Role{role}, PCRs: map[int][]byte{4: make([]byte, 32)}}}}
+	data, err := p.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+// TestPlanJoinControlPlane writes everything a control-plane ticket carries: its cluster secrets and its
+// unlock policy, after the credentials.
+func TestPlanJoinControlPlane(t *testing.T) {
+	ca := newKubeCA(t)
+	cfg := &Config{Paths: testPaths(t)}
+	self := &metadata.Self{Instance: metadata.Instance{Name: "cp-1", Role: metadata.RoleControlPlane, Addresses: addrs("10.0.0.11")}}
+	ticket, key := ticketFor(t, ca, self.Instance)
+	clusterSecretsFor(t, ticket, self)
+	ticket.UnlockPolicy = unlockPolicyFor(t, metadata.RoleControlPlane)
+	plan, err := planJoin(cfg, self, ticket, key, testDisk.UUID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := plan.write(cfg); err != nil {
+		t.Fatal(err)
+	}
+	secrets, err := nodestate.ReadSecrets(cfg.Paths.State)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(secrets.MasterSecret, ticket.ClusterSecrets.MasterSecret) || secrets.APIServerEndpoint != ticket.ApiServerEndpoint {
+		t.Errorf("cluster secrets written %+v, want the ticket's", secrets)
+	}
+	if got, err := os.ReadFile(filepath.Join(cfg.Paths.State, UnlockPolicyFile)); err != nil || !bytes.Equal(got, ticket.UnlockPolicy) {
+		t.Errorf("unlock policy written %q (%v), want the ticket's", got, err)
+	}
+}
+
+// A ticket is checked whole before the node commits to it: a malformed field, whichever, is refused by name
+// and nothing is written (Join takes its lock and keys its disk only after planJoin).
+func TestPlanJoinRefusesMalformedTickets(t *testing.T) {
+	ca := newKubeCA(t)
+	worker := credInstance
+	cp := metadata.Instance{Name: "cp-1", Role: metadata.RoleControlPlane, Addresses: addrs("10.0.0.11")}
+	otherCA, err := pki.NewCA("join", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	garbage := make([]byte, 200<<10)
+	for i := range garbage {
+		garbage[i] = byte('a' + i%26)
+	}
+	for _, tc := range []struct {
+		name   string
+		inst   metadata.Instance
+		change func(*berthv1.JoinTicket, *metadata.Self)
+		want   string
+	}{
+		{"no disk key", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.DiskKey = nil }, "disk key is 0 bytes, want 32"},
+		{"short disk key", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.DiskKey = tk.DiskKey[:16] }, "disk key is 16 bytes, want 32"},
+		{"malformed bootstrap token", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.BootstrapToken = "abcdef.0123" }, "bootstrap token"},
+		{"malformed CA hash", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.DiscoveryCaCertHashes = []string{"md5:00"} }, "CA certificate hash 0"},
+		{"no CA hash", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.DiscoveryCaCertHashes = nil }, "CA certificate hash is required"},
+		{"kubelet method, cluster DNS not an address", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) {
+			tk.JoinMethod, tk.KubeletSettings = berthv1.JoinMethod_JOIN_METHOD_KUBELET, &berthv1.KubeletSettings{ClusterDns: []string{"dns.example"}}
+		}, "cluster DNS"},
+		{"kubelet method, bad cluster domain", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) {
+			tk.JoinMethod, tk.KubeletSettings = berthv1.JoinMethod_JOIN_METHOD_KUBELET, &berthv1.KubeletSettings{ClusterDomain: "Cluster Local"}
+		}, "cluster domain"},
+		{"garbage unlock policy of 200 KiB", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) { tk.UnlockPolicy = garbage }, "unlock policy"},
+		{"unlock policy for another role", worker, func(tk *berthv1.JoinTicket, _ *metadata.Self) {
+			tk.UnlockPolicy = unlockPolicyFor(t, metadata.RoleControlPlane)
+		}, `image "node-control-plane" is not for a worker node`},
+		{"cluster secrets that do not derive the disk key", cp, func(tk *berthv1.JoinTicket, self *metadata.Self) {
+			clusterSecretsFor(t, tk, self)
+			tk.ClusterSecrets.MasterSecret = bytes.Repeat([]byte{9}, 32)
+		}, "do not derive the ticket's disk key"},
+		{"cluster secrets with a short master secret", cp, func(tk *berthv1.JoinTicket, self *metadata.Self) {
+			clusterSecretsFor(t, tk, self)
+			tk.ClusterSecrets.MasterSecret = []byte("short")
+		}, "master secret is 5 bytes"},
+		{"cluster secrets with another join CA", cp, func(tk *berthv1.JoinTicket, self *metadata.Self) {
+			clusterSecretsFor(t, tk, self)
+			self.UserData.JoinCAPin = pki.SPKIPin(otherCA.Cert)
+		}, "is not the one this node's user-data pins"},
+		{"cluster secrets with a join CA key that does not parse", cp, func(tk *berthv1.JoinTicket, self *metadata.Self) {
+			clusterSecretsFor(t, tk, self)
+			tk.ClusterSecrets.JoinCaKey = []byte("not a key")
+		}, "join CA"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := &Config{Paths: testPaths(t)}
+			self := &metadata.Self{Instance: tc.inst}
+			ticket, key := ticketFor(t, ca, tc.inst)
+			tc.change(ticket, self)
+			_, err := planJoin(cfg, self, ticket, key, testDisk.UUID)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("planJoin: %v, want a refusal with %q", err, tc.want)
+			}
+			if strings.Contains(err.Error(), string(garbage[:32])) {
+				t.Error("the refusal quotes the unlock policy")
+			}
+			for _, dir := range []string{cfg.Paths.State, cfg.Paths.KubernetesDir, cfg.Paths.KubeletDir} {
+				if _, err := os.Stat(dir); err == nil {
+					t.Errorf("%s was written for a refused ticket", dir)
+				}
+			}
+		})
+	}
+}
+
+// A rejoin ticket's disk key opens the state disk and its unlock policy is what the node seals to: both are
+// checked before the node uses them.
+func TestCheckRejoinTicket(t *testing.T) {
+	good := func() *berthv1.RejoinTicket {
+		return &berthv1.RejoinTicket{DiskKey: bytes.Repeat([]byte{1}, keys.DiskKeySize), UnlockPolicy: unlockPolicyFor(t, metadata.RoleWorker)}
+	}
+	if err := checkRejoinTicket(good(), metadata.RoleWorker); err != nil {
+		t.Fatalf("a good rejoin ticket: %v", err)
+	}
+	noPolicy := good()
+	noPolicy.UnlockPolicy = nil
+	if err := checkRejoinTicket(noPolicy, metadata.RoleWorker); err != nil {
+		t.Errorf("a rejoin ticket without an unlock policy: %v", err)
+	}
+	for _, tc := range []struct {
+		name   string
+		change func(*berthv1.RejoinTicket)
+		want   string
+	}{
+		{"short disk key", func(tk *berthv1.RejoinTicket) { tk.DiskKey = tk.DiskKey[:8] }, "disk key is 8 bytes, want 32"},
+		{"garbage unlock policy", func(tk *berthv1.RejoinTicket) { tk.UnlockPolicy = []byte("{{{") }, "unlock policy"},
+		{"unlock policy for another role", func(tk *berthv1.RejoinTicket) {
+			tk.UnlockPolicy = unlockPolicyFor(t, metadata.RoleControlPlane)
+		}, "not for a worker node"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ticket := good()
+			tc.change(ticket)
+			if err := checkRejoinTicket(ticket, metadata.RoleWorker); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("checkRejoinTicket: %v, want a refusal with %q", err, tc.want)
 			}
 		})
 	}

@@ -191,8 +191,9 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		attrs = append(attrs, "token_expires", time.Unix(ticket.BootstrapTokenExpiresUnix, 0).UTC())
 	}
 	log.Info("join ticket received", attrs...)
-	// Before the node commits to the ticket (its lock, its disk key), it checks the ticket is one for it.
-	if _, _, err := checkTicket(self.Instance, ticket, kubeletKey); err != nil {
+	// Before the node commits to the ticket (its lock, its disk key), it checks all of it.
+	plan, err := planJoin(&c.cfg, self, ticket, kubeletKey, disk.UUID)
+	if err != nil {
 		return nil, fmt.Errorf("join ticket refused: %w", err)
 	}
 
@@ -201,7 +202,7 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 		return nil, ErrLockTaken
 	}
 	failpoint.Crash(FailpointAfterLock)
-	if err := c.cfg.Disk.SetKey(ctx, disk.InitialKey, ticket.DiskKey); err != nil {
+	if err := c.cfg.Disk.SetKey(ctx, disk.InitialKey, plan.diskKey); err != nil {
 		return nil, fmt.Errorf("setting state disk key: %w", err)
 	}
 	log.Info("state disk keyed", "disk", disk.UUID)
@@ -212,27 +213,12 @@ func (c *Client) Join(ctx context.Context, disk statedisk.Prepared) (*nodestate.
 			return nil, fmt.Errorf("resetting an interrupted join: %w", err)
 		}
 	}
-	joinConfig, err := writeCredentials(&c.cfg, self.Instance, ticket, kubeletKey)
-	if err != nil {
-		return nil, fmt.Errorf("writing credentials: %w", err)
-	}
-	if s := ticket.ClusterSecrets; s != nil {
-		err := nodestate.WriteSecrets(c.cfg.Paths.State, &nodestate.ClusterSecrets{
-			MasterSecret: s.MasterSecret, Salt: s.Salt, JoinCACert: s.JoinCaCertificate, JoinCAKey: s.JoinCaKey,
-			APIServerEndpoint: ticket.ApiServerEndpoint, KubernetesVersion: ticket.KubernetesVersion,
-		})
-		if err != nil {
-			return nil, fmt.Errorf("writing cluster secrets: %w", err)
-		}
-	}
-	if len(ticket.UnlockPolicy) > 0 {
-		if err := nodestate.WriteFile(filepath.Join(c.cfg.Paths.State, UnlockPolicyFile), ticket.UnlockPolicy, 0o600); err != nil {
-			return nil, fmt.Errorf("writing the unlock policy: %w", err)
-		}
+	if err := plan.write(&c.cfg); err != nil {
+		return nil, err
 	}
 	failpoint.Crash(FailpointAfterCredentials)
-	if joinConfig != "" {
-		if err := c.cfg.Kubeadm.Join(ctx, joinConfig, kubeadmLog); err != nil {
+	if plan.joinConfig != "" {
+		if err := c.cfg.Kubeadm.Join(ctx, plan.joinConfig, kubeadmLog); err != nil {
 			return nil, fmt.Errorf("kubeadm join: %w", err)
 		}
 	} else {
@@ -267,6 +253,9 @@ func (c *Client) Rejoin(ctx context.Context, diskUUID string) (*berthv1.RejoinTi
 	}
 	ticket := msg.GetRejoinTicket()
 	log.Info("rejoin ticket received", "cluster", ticket.ClusterId)
+	if err := checkRejoinTicket(ticket, self.Instance.Role); err != nil {
+		return nil, fmt.Errorf("rejoin ticket refused: %w", err)
+	}
 	return ticket, nil
 }
 

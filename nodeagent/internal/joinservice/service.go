@@ -551,7 +551,7 @@ func (s *Server) unlockPolicy(role metadata.Role) ([]byte, error) {
 }
 
 func (s *Server) nodeKeys(disk keys.Label) (diskKey, measurement []byte, err error) {
-	if diskKey, err = keys.Derive(s.cfg.MasterSecret, s.cfg.Salt, disk, 32); err != nil {
+	if diskKey, err = keys.Derive(s.cfg.MasterSecret, s.cfg.Salt, disk, keys.DiskKeySize); err != nil {
 		return nil, nil, err
 	}
 	if measurement, err = keys.Derive(s.cfg.MasterSecret, s.cfg.Salt, keys.MeasurementSecret, 32); err != nil {

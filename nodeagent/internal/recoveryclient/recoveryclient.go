@@ -181,7 +181,7 @@ func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) 
 			return node, err
 		}
 	}
-	key, err := keys.Derive(secrets.MasterSecret, secrets.Salt, label, 32)
+	key, err := keys.Derive(secrets.MasterSecret, secrets.Salt, label, keys.DiskKeySize)
 	if err != nil {
 		return node, err
 	}
