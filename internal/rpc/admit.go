@@ -42,6 +42,7 @@ const (
 	RefusedNotAdmitted  = "not_admitted"
 	RefusedAdmitFailed  = "admission_failed"
 	RefusedBadAddress   = "bad_address"
+	RefusedNoSlot       = "no_slot"
 )
 
 // ErrNotAdmitted is what an Admit function returns (wrapped) for a peer that may not connect, as opposed to
@@ -52,8 +53,12 @@ var ErrNotAdmitted = errors.New("not admitted")
 // Slots have defaults.
 type AdmitConfig struct {
 	// Slots bounds the connections being served at once. Admitted connections beyond it wait for a slot,
-	// and connections beyond four times it wait unaccepted in the kernel's listen queue.
+	// up to SlotWait, and connections beyond four times it wait unaccepted in the kernel's listen queue.
 	Slots int
+	// SlotWait is how long an admitted connection waits for a slot before it is closed; FirstStream if
+	// zero. Its client connects again later: a wait without end would let whoever holds the slots keep a
+	// queue of genuine peers behind them, each unaware that it is not being served.
+	SlotWait time.Duration
 	// PerAddress bounds one remote address's connections, admitted, waiting or being checked.
 	PerAddress int
 	// Admit, if set, decides from the remote address alone whether a connection may be served, before
@@ -98,6 +103,7 @@ func Admit(inner net.Listener, cfg AdmitConfig) *AdmitListener {
 	cfg.PerAddress = cmp.Or(cfg.PerAddress, DefaultPerAddress)
 	cfg.AdmitTimeout = cmp.Or(cfg.AdmitTimeout, DefaultAdmitTimeout)
 	cfg.FirstStream = cmp.Or(cfg.FirstStream, DefaultFirstStream)
+	cfg.SlotWait = cmp.Or(cfg.SlotWait, cfg.FirstStream)
 	cfg.Exchange = cmp.Or(cfg.Exchange, time.Minute)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -209,8 +215,14 @@ func (l *AdmitListener) admit(c net.Conn) {
 		}
 	}
 	releaseChecking()
+	wait := time.NewTimer(l.cfg.SlotWait)
+	defer wait.Stop()
 	select {
 	case l.slots <- struct{}{}:
+	case <-wait.C:
+		l.releaseAddress(addr)
+		l.refuse(c, addr, RefusedNoSlot, fmt.Errorf("no free slot of %d within %s", l.cfg.Slots, l.cfg.SlotWait))
+		return
 	case <-l.done:
 		l.releaseAddress(addr)
 		c.Close()

@@ -268,6 +268,20 @@ func TestAdmitWaitsForASlot(t *testing.T) {
 	}
 }
 
+// A connection that finds no slot within SlotWait is closed before its handshake, not left waiting behind
+// whoever holds the slots.
+func TestAdmitBoundsTheWaitForASlot(t *testing.T) {
+	s := serveAdmitted(t, rpc.AdmitConfig{Slots: 1, SlotWait: 200 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go exchange(ctx, s.client(t, "127.0.0.11"), "hold")
+	if d := <-s.svc.started; d != "hold" {
+		t.Fatalf("first exchange %q", d)
+	}
+	closedByServer(t, rawConn(t, s.addr, "127.0.0.12"), 5*time.Second)
+	waitRefused(t, s.lis, rpc.RefusedNoSlot, 1)
+}
+
 func TestAdmitListenerClose(t *testing.T) {
 	inner, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
