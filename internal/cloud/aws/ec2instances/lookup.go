@@ -245,8 +245,10 @@ type answer struct {
 	err  error
 }
 
-// InstanceByAddress returns the record of the running instance in the VPC that has addr among its private
-// IPv4 addresses. Lookups of different addresses arriving together share one DescribeInstances call. An
+// InstanceByAddress returns the record of the running instance in the VPC that has addr as the primary
+// private IPv4 address of one of its network interfaces. A secondary address is no node's: the VPC CNI
+// gives those to pods, which must not pass the join service's admission as their node (and take its
+// connections). Lookups of different addresses arriving together share one DescribeInstances call. An
 // address no running instance of the VPC has, or whose instance has no role, gives an error wrapping
 // metadata.ErrNotFound; failures to ask EC2 give other errors.
 func (l *Lookup) InstanceByAddress(ctx context.Context, addr netip.Addr) (*metadata.Instance, error) {
@@ -342,9 +344,10 @@ func (l *Lookup) run(b *batch, held bool) {
 		"pages", pages, "duration", time.Since(start))
 }
 
-// Filter names of DescribeInstances. private-ip-address matches only the primary address of a network
-// interface; network-interface.addresses.private-ip-address matches every private IPv4 address of every
-// interface, the primary ones included, which is what a node may connect from.
+// Filter names of DescribeInstances. private-ip-address matches only the instance's primary address;
+// network-interface.addresses.private-ip-address matches every private IPv4 address of every interface,
+// which a node may connect from (the primary address of any of its interfaces) and which a pod may (a
+// secondary one): the lookup finds both, and answers tells them apart.
 const (
 	filterAddress = "network-interface.addresses.private-ip-address"
 	filterState   = "instance-state-name"
@@ -406,7 +409,11 @@ func (l *Lookup) describe(ctx context.Context, addrs []netip.Addr, held bool) ([
 func (l *Lookup) answers(addrs []netip.Addr, instances []types.Instance) map[netip.Addr]answer {
 	owner := map[netip.Addr]int{}
 	conflict := map[netip.Addr]string{}
+	primary := map[netip.Addr]bool{}
 	for i, inst := range instances {
+		for _, a := range interfaceAddresses(inst) {
+			primary[a] = true
+		}
 		for _, a := range privateAddresses(inst) {
 			if j, ok := owner[a]; ok && j != i {
 				conflict[a] = fmt.Sprintf("EC2 reports %s on both %s and %s", a,
@@ -427,6 +434,11 @@ func (l *Lookup) answers(addrs []netip.Addr, instances []types.Instance) map[net
 		i, ok := owner[a]
 		if !ok {
 			results[a] = answer{err: fmt.Errorf("%w: no running instance in %s has the private address %s", metadata.ErrNotFound, l.cfg.VPCID, a)}
+			continue
+		}
+		if !primary[a] {
+			results[a] = answer{err: fmt.Errorf("%w: %s is a secondary address of instance %s, which the VPC CNI gives to pods; a node joins from the primary address of one of its interfaces",
+				metadata.ErrNotFound, a, bounded(aws.ToString(instances[i].InstanceId)))}
 			continue
 		}
 		r, ok := records[i]
@@ -536,6 +548,21 @@ func privateAddresses(inst types.Instance) []netip.Addr {
 		})
 		for _, p := range primaryFirst {
 			add(p.PrivateIpAddress)
+		}
+	}
+	return out
+}
+
+// interfaceAddresses lists the primary private IPv4 address of inst and of each of its network interfaces.
+func interfaceAddresses(inst types.Instance) []netip.Addr {
+	primaries := []*string{inst.PrivateIpAddress}
+	for _, nic := range inst.NetworkInterfaces {
+		primaries = append(primaries, nic.PrivateIpAddress)
+	}
+	var out []netip.Addr
+	for _, s := range primaries {
+		if a, err := netip.ParseAddr(aws.ToString(s)); err == nil && a.Is4() {
+			out = append(out, a)
 		}
 	}
 	return out

@@ -100,7 +100,7 @@ func node(n int, group string, nics ...[]netip.Addr) ec2test.Instance {
 	}
 }
 
-func TestLookupByPrimaryAndSecondaryAddress(t *testing.T) {
+func TestLookupAdmitsInterfacesPrimaryAddressesOnly(t *testing.T) {
 	srv := ec2test.New(t)
 	cp := node(1, cpGroup, addrs("10.0.1.10", "10.0.1.11"))
 	worker := node(2, workGroup, addrs("10.0.2.10", "10.0.2.11"), addrs("10.0.3.10", "10.0.3.11"))
@@ -120,13 +120,19 @@ func TestLookupByPrimaryAndSecondaryAddress(t *testing.T) {
 		want *metadata.Instance
 	}{
 		{"10.0.1.10", wantCP},     // primary
-		{"10.0.1.11", wantCP},     // secondary on the primary interface
+		{"10.0.1.11", nil},        // secondary on the primary interface: a pod's
 		{"10.0.2.10", wantWorker}, // primary
-		{"10.0.2.11", wantWorker}, // secondary
+		{"10.0.2.11", nil},        // secondary
 		{"10.0.3.10", wantWorker}, // primary address of the second interface
-		{"10.0.3.11", wantWorker}, // secondary address of the second interface
+		{"10.0.3.11", nil},        // secondary address of the second interface
 	} {
 		got, err := l.InstanceByAddress(t.Context(), netip.MustParseAddr(tc.addr))
+		if tc.want == nil {
+			if !errors.Is(err, metadata.ErrNotFound) || !strings.Contains(err.Error(), "secondary address of instance") {
+				t.Errorf("%s: %v, %v; want not found, as a secondary address", tc.addr, got, err)
+			}
+			continue
+		}
 		if err != nil {
 			t.Fatalf("%s: %v", tc.addr, err)
 		}
