@@ -21,8 +21,10 @@ const (
 	readHeaderTimeout = 5 * time.Second
 	readTimeout       = 10 * time.Second
 	writeTimeout      = 30 * time.Second
-	idleTimeout       = time.Minute
-	maxHeaderBytes    = 8 << 10
+	// idleTimeout frees a keep-alive connection's place soon: scrapers and probes come back every few
+	// seconds at most, and connecting again costs them little.
+	idleTimeout    = 15 * time.Second
+	maxHeaderBytes = 8 << 10
 	// scrapesInFlight bounds concurrent /metrics requests; more are answered 503 at once.
 	scrapesInFlight = 4
 	scrapeTimeout   = 10 * time.Second
@@ -107,8 +109,10 @@ func (s *Server) Handler() http.Handler {
 	return mux
 }
 
-// Serve serves on lis until ctx ends.
+// Serve serves on lis until ctx ends, at most maxConnsPerAddress connections from one address and
+// maxConns in all.
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
+	lis = newLimitListener(lis, maxConnsPerAddress, maxConns, s.log)
 	srv := &http.Server{
 		Handler:           s.Handler(),
 		ReadHeaderTimeout: readHeaderTimeout,

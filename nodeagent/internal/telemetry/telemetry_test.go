@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -277,4 +280,110 @@ func TestKubernetesRequests(t *testing.T) {
 			t.Errorf("%s: %d, want %d (all: %v)", o, second[o], n, second)
 		}
 	}
+}
+
+// TestServeBoundsConnections: one address holding thousands of idle connections gets maxConnsPerAddress of
+// them served, the rest closed at once, and /readyz still answers another address.
+func TestServeBoundsConnections(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(New(testLabels), nil)
+	srv.AddCheck("join service", func() error { return nil })
+	go srv.Serve(t.Context(), lis)
+	addr := lis.Addr().String()
+
+	const flood = 3000
+	var held []net.Conn
+	t.Cleanup(func() {
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	for range flood {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	open := 0
+	for _, c := range held {
+		c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if _, err := c.Read(make([]byte, 1)); errors.Is(err, os.ErrDeadlineExceeded) {
+			open++
+		}
+	}
+	if open != maxConnsPerAddress {
+		t.Errorf("the server kept %d of one address's %d connections open, want %d", open, flood, maxConnsPerAddress)
+	}
+
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}}
+	client := &http.Client{Transport: &http.Transport{DialContext: d.DialContext}, Timeout: 5 * time.Second}
+	resp, err := client.Get("http://" + addr + "/readyz")
+	if err != nil {
+		t.Fatalf("/readyz while one address floods the port: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("/readyz while one address floods the port: %d", resp.StatusCode)
+	}
+}
+
+// TestLimitListenerTotal: past the total, connections from any address are closed until one is given back.
+func TestLimitListenerTotal(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := newLimitListener(inner, 2, 3, slog.New(slog.DiscardHandler))
+	defer l.Close()
+	dial := func(from string) net.Conn {
+		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+		c, err := d.Dial("tcp", inner.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	accepted := make(chan net.Conn, 8)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	var first net.Conn
+	for i, from := range []string{"127.0.0.11", "127.0.0.12", "127.0.0.13"} {
+		dial(from)
+		c := <-accepted
+		if i == 0 {
+			first = c
+		}
+	}
+	if c := dial("127.0.0.14"); !closedSoon(c) {
+		t.Error("a fourth connection past a total of 3 was kept")
+	}
+	if got := l.refused.Load(); got != 1 {
+		t.Errorf("%d refusals counted, want 1", got)
+	}
+	first.Close()
+	dial("127.0.0.14")
+	select {
+	case <-accepted:
+	case <-time.After(5 * time.Second):
+		t.Error("no connection accepted after one was given back")
+	}
+}
+
+// closedSoon reports whether the peer closes c within a second.
+func closedSoon(c net.Conn) bool {
+	c.SetReadDeadline(time.Now().Add(time.Second))
+	_, err := c.Read(make([]byte, 1))
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
 }
