@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,10 +26,11 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
-// joinConnectionsPerCPU bounds the exchanges in progress: a node holds its connection while its TPM quotes
-// and activates (up to a few hundred milliseconds on a vTPM), so a few dozen per CPU keep the CPUs busy
-// while a storm beyond that waits in the listen queue instead of costing memory.
-const joinConnectionsPerCPU = 32
+// Connections bounds the connections served at once. A connection costs memory while its node's TPM
+// quotes and activates, not CPU: the service's workers (joinservice.Config.Workers) bound the CPU. So the
+// bound is memory's (about 90 KiB of heap a connection that sent nothing yet, TestAdmittedAttackers), high
+// enough that peers slow on purpose need more than 256 addresses with instance records to fill it.
+const Connections = 512
 
 // serverCertValidity is the join service's certificate lifetime; the service makes a new one each start.
 const serverCertValidity = 90 * 24 * time.Hour
@@ -117,7 +117,7 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	admitted := svc.Listen(lis, joinConnectionsPerCPU*runtime.GOMAXPROCS(0), rpc.DefaultPerAddress)
+	admitted := svc.Listen(lis, Connections, rpc.DefaultPerAddress)
 	if s.Metrics != nil {
 		s.Metrics.WatchAdmission(admitted)
 	}

@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -159,16 +160,25 @@ type Config struct {
 	TokenTTL time.Duration
 	// Timeout bounds one whole exchange, slow TPMs included.
 	Timeout time.Duration
+	// Workers bounds the exchanges working at once (verifying evidence; checking the proof, signing and
+	// writing the ticket's records); DefaultWorkers if zero. An exchange waiting for its node's next message
+	// holds none, so a peer that keeps its exchange slow costs a connection, not the CPU genuine nodes need.
+	Workers int
 	Clock   func() time.Time
 	Logger  *slog.Logger
 	// Metrics, if set, counts the exchanges.
 	Metrics Metrics
 }
 
+// DefaultWorkers is Config.Workers when zero: the work is mostly CPU, with an API server round trip or two
+// per ticket, so a few per CPU keep the CPUs busy.
+func DefaultWorkers() int { return 4 * runtime.GOMAXPROCS(0) }
+
 // Server implements berthv1.JoinServiceServer.
 type Server struct {
 	berthv1.UnimplementedJoinServiceServer
 	cfg       Config
+	workers   chan struct{}
 	clusterID string
 	caPins    []string
 	// signsWithCA: the service signs kubelet certificates with the Kubernetes CA's own key, checked at New
@@ -208,6 +218,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = DefaultTimeout
 	}
+	if cfg.Workers <= 0 {
+		cfg.Workers = DefaultWorkers()
+	}
 	if cfg.Clock == nil {
 		cfg.Clock = time.Now
 	}
@@ -235,7 +248,8 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("join service: %w", err)
 	}
-	return &Server{cfg: cfg, clusterID: id, caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}, signsWithCA: signsWithCA}, nil
+	return &Server{cfg: cfg, workers: make(chan struct{}, cfg.Workers), clusterID: id,
+		caPins: []string{pki.SPKIPin(cfg.KubernetesCA.Cert)}, signsWithCA: signsWithCA}, nil
 }
 
 // exchange is what one attested request established.
@@ -246,6 +260,19 @@ type exchange struct {
 	disk     keys.Label
 	diskUUID string
 	log      *slog.Logger
+	// release frees the worker the exchange holds from its activation proof on; the call's handler
+	// releases it when it returns.
+	release func()
+}
+
+// work waits for a worker; the caller calls the release it returns once its work is done.
+func (s *Server) work(ctx context.Context) (release func(), err error) {
+	select {
+	case s.workers <- struct{}{}:
+		return func() { <-s.workers }, nil
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
 }
 
 type stream = berthv1.JoinService_IssueJoinTicketServer
@@ -270,6 +297,7 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) (
 	if err != nil {
 		return err
 	}
+	defer ex.release()
 	if err := checkCSR(csr, ex.instance); err != nil {
 		return s.refuse(ex.log, RefusedCSR, codes.PermissionDenied, "kubelet CSR refused", err)
 	}
@@ -314,6 +342,7 @@ func (s *Server) IssueRejoinTicket(st berthv1.JoinService_IssueRejoinTicketServe
 	if err != nil {
 		return err
 	}
+	defer ex.release()
 	if err := s.checkOwner(ctx, ex, "rejoin refused"); err != nil {
 		return err
 	}
@@ -354,6 +383,7 @@ func (s *Server) RenewKubeletCertificate(st berthv1.JoinService_RenewKubeletCert
 	if err != nil {
 		return err
 	}
+	defer ex.release()
 	if s.cfg.Method != berthv1.JoinMethod_JOIN_METHOD_KUBELET {
 		return s.refuse(ex.log, RefusedMethod, codes.FailedPrecondition, "renewal refused",
 			errors.New("this cluster's kubelets rotate their certificates through the API server"))
@@ -399,8 +429,10 @@ type claim struct {
 }
 
 // attest runs the part all calls share: read the request, find the instance, verify the evidence for
-// this connection, challenge the attestation key, and check the policy for the instance's role.
-func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (claim, error)) (*exchange, error) {
+// this connection, challenge the attestation key, and check the policy for the instance's role. Each
+// message of the node has its own deadline, and a worker is held only while the service computes: the
+// exchange it returns holds one, for the rest of the call.
+func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.JoinClientMessage) (claim, error)) (_ *exchange, err error) {
 	log := s.cfg.Logger
 	addr, err := rpc.PeerAddr(ctx)
 	if err != nil {
@@ -442,17 +474,30 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 			fmt.Errorf("node asked as %q but its instance record says %q", c.role, inst.Role))
 	}
 
+	release, err := s.work(ctx)
+	if err != nil {
+		return nil, s.streamErr(log, "waiting for a worker", err)
+	}
 	pending, err := s.cfg.Verifier.Verify(ctx, c.evidence, nonce, inst.ID)
+	release()
 	if err != nil {
 		return nil, s.attestErr(log, err)
 	}
 	if err := st.Send(&berthv1.JoinServerMessage{Msg: &berthv1.JoinServerMessage_Challenge{Challenge: pending.Challenge}}); err != nil {
 		return nil, err
 	}
-	msg, err = rpc.Recv(ctx, st)
+	msg, err = rpc.RecvWithin(ctx, st, rpc.StepTimeout)
 	if err != nil {
 		return nil, s.streamErr(log, "receiving activation proof", err)
 	}
+	if release, err = s.work(ctx); err != nil {
+		return nil, s.streamErr(log, "waiting for a worker", err)
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
 	result, err := pending.Complete(msg.GetProof())
 	if err != nil {
 		return nil, s.attestErr(log, err)
@@ -466,7 +511,7 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 		return nil, s.refuse(log, RefusedMeasurements, codes.PermissionDenied, "measurements refused", err)
 	}
 	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: c.diskUUID,
-		log: log.With("image", image, "disk", c.diskUUID)}, nil
+		log: log.With("image", image, "disk", c.diskUUID), release: release}, nil
 }
 
 func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.CertificateRequest) (*berthv1.JoinTicket, error) {

@@ -103,6 +103,9 @@ func TestNewDefaults(t *testing.T) {
 		t.Errorf("defaults: TokenTTL %v, Timeout %v, Clock set %v, Logger set %v",
 			s.cfg.TokenTTL, s.cfg.Timeout, s.cfg.Clock != nil, s.cfg.Logger != nil)
 	}
+	if cap(s.workers) != DefaultWorkers() {
+		t.Errorf("%d workers, want DefaultWorkers() = %d", cap(s.workers), DefaultWorkers())
+	}
 	if want := pki.SPKIPin(cfg.KubernetesCA.Cert); len(s.caPins) != 1 || s.caPins[0] != want {
 		t.Errorf("CA pins %v, want [%s]", s.caPins, want)
 	}
@@ -110,12 +113,12 @@ func TestNewDefaults(t *testing.T) {
 		t.Errorf("cluster ID %q, want %q", s.clusterID, want)
 	}
 
-	cfg.TokenTTL, cfg.Timeout = 3*time.Minute, 5*time.Second
+	cfg.TokenTTL, cfg.Timeout, cfg.Workers = 3*time.Minute, 5*time.Second, 3
 	s, err = New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.cfg.TokenTTL != 3*time.Minute || s.cfg.Timeout != 5*time.Second {
-		t.Errorf("configured TokenTTL %v and Timeout %v were replaced", s.cfg.TokenTTL, s.cfg.Timeout)
+	if s.cfg.TokenTTL != 3*time.Minute || s.cfg.Timeout != 5*time.Second || cap(s.workers) != 3 {
+		t.Errorf("configured TokenTTL %v, Timeout %v and 3 workers were replaced (%d workers)", s.cfg.TokenTTL, s.cfg.Timeout, cap(s.workers))
 	}
 }

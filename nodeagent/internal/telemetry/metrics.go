@@ -230,7 +230,7 @@ func (m *Metrics) WatchAdmission(l Admission) {
 }
 
 // admissionRefusals are the listener's refusal reasons: fixed by package rpc.
-var admissionRefusals = []string{rpc.RefusedAddressLimit, rpc.RefusedNotAdmitted, rpc.RefusedAdmitFailed, rpc.RefusedBadAddress}
+var admissionRefusals = []string{rpc.RefusedAddressLimit, rpc.RefusedNotAdmitted, rpc.RefusedAdmitFailed, rpc.RefusedBadAddress, rpc.RefusedNoSlot}
 
 // admissionCollector reads the listener at each scrape: its counts are kept by the listener, which the
 // admission path updates anyway, so serving metrics costs the admission nothing more.

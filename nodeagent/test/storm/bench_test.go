@@ -20,6 +20,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
+	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
@@ -101,8 +102,8 @@ func TestBench(t *testing.T) {
 			n, fixed.ticket.p99.Seconds()/berth.ticket.p99.Seconds(), fixed.connected.p99.Seconds()/berth.connected.p99.Seconds()))
 	}
 	out.WriteString("\n" + strings.Join(ratios, "\n") + "\n")
-	fmt.Fprintf(&out, "\nThe join service serves %d connections at once (32 per CPU); those open beyond that wait, accepted, for one of them. Its listening socket's backlog (somaxconn) is %d.\n",
-		32*runtime.NumCPU(), ListenBacklog())
+	fmt.Fprintf(&out, "\nThe join service serves %d connections at once and works on %d exchanges at once (4 per CPU); connections open beyond that wait, accepted, for one of them. Its listening socket's backlog (somaxconn) is %d.\n",
+		joinserver.Connections, 4*runtime.NumCPU(), ListenBacklog())
 	if os.Getenv("BERTH_BENCH_EC2") != "0" {
 		writeEC2Storms(t, &out, sizes, plain)
 	}
