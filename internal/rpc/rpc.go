@@ -32,6 +32,10 @@ const MaxMessageSize = 256 << 10
 // hold hundreds of MiB of the server's memory.
 const MaxHeaderListSize = 16 << 10
 
+// connBufferSize is each served connection's read and write buffer: Berth's messages are a few KiB, and
+// the largest (a ticket, 256 KiB at most) takes a few more reads.
+const connBufferSize = 8 << 10
+
 // ServerOptions are the options of every Berth gRPC server: TLS 1.3 with cert, bounded messages,
 // a handshake timeout, few streams per connection, and idle connections closed soon: nodes open one
 // connection per exchange, so an idle one only holds a slot of an AdmitListener.
@@ -47,6 +51,11 @@ func ServerOptions(cert tls.Certificate) []grpc.ServerOption {
 		grpc.MaxHeaderListSize(MaxHeaderListSize),
 		grpc.ConnectionTimeout(10 * time.Second),
 		grpc.MaxConcurrentStreams(8),
+		// A connection's buffers are most of what it costs while its peer is silent; gRPC's defaults (32 KiB
+		// each way, the write buffer kept between writes) are sized for streams of large messages.
+		grpc.ReadBufferSize(connBufferSize),
+		grpc.WriteBufferSize(connBufferSize),
+		grpc.SharedWriteBuffer(true),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 15 * time.Second, MaxConnectionAge: 10 * time.Minute}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second}),
 	}
