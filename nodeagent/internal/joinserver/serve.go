@@ -28,7 +28,7 @@ import (
 
 // Connections bounds the connections served at once. A connection costs memory while its node's TPM
 // quotes and activates, not CPU: the service's workers (joinservice.Config.Workers) bound the CPU. So the
-// bound is memory's (about 90 KiB of heap a connection that sent nothing yet, TestAdmittedAttackers), high
+// bound is memory's (about 32 KiB of heap a connection that sent nothing yet, TestAdmittedAttackers), high
 // enough that peers slow on purpose need more than 256 addresses with instance records to fill it.
 const Connections = 512
 
