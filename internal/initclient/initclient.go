@@ -38,6 +38,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/rpc"
 )
 
@@ -165,7 +166,8 @@ func (cfg *Config) check() ([]int, error) {
 
 type stream = grpc.BidiStreamingClient[berthv1.InitClientMessage, berthv1.InitServerMessage]
 
-// run is the exchange on one stream: hello, evidence, challenge, proof, request, progress, result.
+// run is the exchange on one stream: hello, secret challenge and proof, evidence, challenge, proof,
+// request, progress, result.
 func run(st stream, cfg Config, pcrs []int) (*berthv1.InitResult, error) {
 	nonce, err := rpc.StreamNonce(st.Context())
 	if err != nil {
@@ -180,7 +182,20 @@ func run(st stream, cfg Config, pcrs []int) (*berthv1.InitResult, error) {
 	}
 	msg, err := st.Recv()
 	if err != nil {
-		return nil, fmt.Errorf("receiving evidence: %w", err)
+		return nil, fmt.Errorf("receiving the init secret challenge: %w", err)
+	}
+	// Agents before the secret challenge answer the hello with evidence at once.
+	if c := msg.GetSecretChallenge(); c != nil {
+		proof, err := initsecret.Proof(c.GetHashParameters(), int(c.GetHashLength()), cfg.Request.InitSecret, nonce)
+		if err != nil {
+			return nil, fmt.Errorf("answering the init secret challenge: %w", err)
+		}
+		if err := send(st, &berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_SecretProof{SecretProof: &berthv1.InitSecretProof{Mac: proof}}}); err != nil {
+			return nil, fmt.Errorf("sending the init secret proof: %w", err)
+		}
+		if msg, err = st.Recv(); err != nil {
+			return nil, fmt.Errorf("receiving evidence: %w", err)
+		}
 	}
 	ev := msg.GetEvidence()
 	if ev == nil {
@@ -250,9 +265,9 @@ func send(st stream, m *berthv1.InitClientMessage) error {
 }
 
 // AwaitsInit reports whether a Berth init server answers at endpoint, that is, a node waits there to be
-// initialized. It asks for a quote of PCR 0 and hangs up when the evidence arrives, unverified: nothing is
-// sent to the node, and the answer means only that the node at endpoint is not (yet) a cluster member. An
-// error says why nothing answered.
+// initialized. It says hello and hangs up at the node's first answer, its init secret challenge (or, from
+// agents before that challenge, evidence), unverified: nothing else is sent to the node, and the answer
+// means only that the node at endpoint is not (yet) a cluster member. An error says why nothing answered.
 func AwaitsInit(ctx context.Context, endpoint string, timeout time.Duration) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -277,5 +292,5 @@ func AwaitsInit(ctx context.Context, endpoint string, timeout time.Duration) (bo
 	if err != nil {
 		return false, err
 	}
-	return msg.GetEvidence() != nil, nil
+	return msg.GetSecretChallenge() != nil || msg.GetEvidence() != nil, nil
 }

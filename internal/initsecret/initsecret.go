@@ -110,6 +110,19 @@ func parse(s string) (phc, error) {
 	if len(parts) != 6 || parts[0] != "" {
 		return phc{}, errors.New("want the form $argon2id$v=19$m=<KiB>,t=<passes>,p=<lanes>$<salt>$<hash>")
 	}
+	h, err := parseParameters(parts[:5])
+	if err != nil {
+		return phc{}, err
+	}
+	if h.hash, err = field(parts[5], "hash", minKeyLen, maxKeyLen); err != nil {
+		return phc{}, err
+	}
+	return h, nil
+}
+
+// parseParameters reads the parts of a PHC string before its hash: "", algorithm, version, parameters
+// and salt.
+func parseParameters(parts []string) (phc, error) {
 	if parts[1] != algorithm {
 		return phc{}, errors.New("algorithm is not argon2id")
 	}
@@ -141,9 +154,6 @@ func parse(s string) (phc, error) {
 	h.memory, h.time, h.threads = m, t, uint8(p)
 
 	if h.salt, err = field(parts[4], "salt", minSaltLen, maxSaltLen); err != nil {
-		return phc{}, err
-	}
-	if h.hash, err = field(parts[5], "hash", minKeyLen, maxKeyLen); err != nil {
 		return phc{}, err
 	}
 	return h, nil

@@ -28,6 +28,7 @@ type InitClientMessage struct {
 	//	*InitClientMessage_Hello
 	//	*InitClientMessage_Challenge
 	//	*InitClientMessage_Request
+	//	*InitClientMessage_SecretProof
 	Msg           isInitClientMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -97,6 +98,15 @@ func (x *InitClientMessage) GetRequest() *InitRequest {
 	return nil
 }
 
+func (x *InitClientMessage) GetSecretProof() *InitSecretProof {
+	if x != nil {
+		if x, ok := x.Msg.(*InitClientMessage_SecretProof); ok {
+			return x.SecretProof
+		}
+	}
+	return nil
+}
+
 type isInitClientMessage_Msg interface {
 	isInitClientMessage_Msg()
 }
@@ -113,11 +123,17 @@ type InitClientMessage_Request struct {
 	Request *InitRequest `protobuf:"bytes,3,opt,name=request,proto3,oneof"`
 }
 
+type InitClientMessage_SecretProof struct {
+	SecretProof *InitSecretProof `protobuf:"bytes,4,opt,name=secret_proof,json=secretProof,proto3,oneof"`
+}
+
 func (*InitClientMessage_Hello) isInitClientMessage_Msg() {}
 
 func (*InitClientMessage_Challenge) isInitClientMessage_Msg() {}
 
 func (*InitClientMessage_Request) isInitClientMessage_Msg() {}
+
+func (*InitClientMessage_SecretProof) isInitClientMessage_Msg() {}
 
 type InitServerMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -127,6 +143,7 @@ type InitServerMessage struct {
 	//	*InitServerMessage_Proof
 	//	*InitServerMessage_Progress
 	//	*InitServerMessage_Result
+	//	*InitServerMessage_SecretChallenge
 	Msg           isInitServerMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -205,6 +222,15 @@ func (x *InitServerMessage) GetResult() *InitResult {
 	return nil
 }
 
+func (x *InitServerMessage) GetSecretChallenge() *InitSecretChallenge {
+	if x != nil {
+		if x, ok := x.Msg.(*InitServerMessage_SecretChallenge); ok {
+			return x.SecretChallenge
+		}
+	}
+	return nil
+}
+
 type isInitServerMessage_Msg interface {
 	isInitServerMessage_Msg()
 }
@@ -225,6 +251,10 @@ type InitServerMessage_Result struct {
 	Result *InitResult `protobuf:"bytes,4,opt,name=result,proto3,oneof"`
 }
 
+type InitServerMessage_SecretChallenge struct {
+	SecretChallenge *InitSecretChallenge `protobuf:"bytes,5,opt,name=secret_challenge,json=secretChallenge,proto3,oneof"`
+}
+
 func (*InitServerMessage_Evidence) isInitServerMessage_Msg() {}
 
 func (*InitServerMessage_Proof) isInitServerMessage_Msg() {}
@@ -232,6 +262,8 @@ func (*InitServerMessage_Proof) isInitServerMessage_Msg() {}
 func (*InitServerMessage_Progress) isInitServerMessage_Msg() {}
 
 func (*InitServerMessage_Result) isInitServerMessage_Msg() {}
+
+func (*InitServerMessage_SecretChallenge) isInitServerMessage_Msg() {}
 
 type InitHello struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -278,6 +310,109 @@ func (x *InitHello) GetPcrs() []uint32 {
 	return nil
 }
 
+// InitSecretChallenge is what a client needs to prove that it holds the init secret without sending it to
+// a node it has not attested yet. Neither field is secret.
+type InitSecretChallenge struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The argon2id PHC string of the node's init secret hash without its hash: algorithm, version,
+	// parameters and salt.
+	HashParameters string `protobuf:"bytes,1,opt,name=hash_parameters,json=hashParameters,proto3" json:"hash_parameters,omitempty"`
+	// Length in bytes of the hash.
+	HashLength    uint32 `protobuf:"varint,2,opt,name=hash_length,json=hashLength,proto3" json:"hash_length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InitSecretChallenge) Reset() {
+	*x = InitSecretChallenge{}
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InitSecretChallenge) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InitSecretChallenge) ProtoMessage() {}
+
+func (x *InitSecretChallenge) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InitSecretChallenge.ProtoReflect.Descriptor instead.
+func (*InitSecretChallenge) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *InitSecretChallenge) GetHashParameters() string {
+	if x != nil {
+		return x.HashParameters
+	}
+	return ""
+}
+
+func (x *InitSecretChallenge) GetHashLength() uint32 {
+	if x != nil {
+		return x.HashLength
+	}
+	return 0
+}
+
+// InitSecretProof is HMAC-SHA256, keyed with the argon2id hash of the init secret, of
+// "berth init admission\0" followed by the connection's attestation nonce (its TLS exporter value).
+type InitSecretProof struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Mac           []byte                 `protobuf:"bytes,1,opt,name=mac,proto3" json:"mac,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InitSecretProof) Reset() {
+	*x = InitSecretProof{}
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InitSecretProof) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InitSecretProof) ProtoMessage() {}
+
+func (x *InitSecretProof) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InitSecretProof.ProtoReflect.Descriptor instead.
+func (*InitSecretProof) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *InitSecretProof) GetMac() []byte {
+	if x != nil {
+		return x.Mac
+	}
+	return nil
+}
+
 type InitRequest struct {
 	state        protoimpl.MessageState `protogen:"open.v1"`
 	InitSecret   []byte                 `protobuf:"bytes,1,opt,name=init_secret,json=initSecret,proto3" json:"init_secret,omitempty"`
@@ -305,7 +440,7 @@ type InitRequest struct {
 
 func (x *InitRequest) Reset() {
 	*x = InitRequest{}
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[3]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -317,7 +452,7 @@ func (x *InitRequest) String() string {
 func (*InitRequest) ProtoMessage() {}
 
 func (x *InitRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[3]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -330,7 +465,7 @@ func (x *InitRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitRequest.ProtoReflect.Descriptor instead.
 func (*InitRequest) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{3}
+	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *InitRequest) GetInitSecret() []byte {
@@ -440,7 +575,7 @@ type InitProgress struct {
 
 func (x *InitProgress) Reset() {
 	*x = InitProgress{}
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -452,7 +587,7 @@ func (x *InitProgress) String() string {
 func (*InitProgress) ProtoMessage() {}
 
 func (x *InitProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -465,7 +600,7 @@ func (x *InitProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitProgress.ProtoReflect.Descriptor instead.
 func (*InitProgress) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{4}
+	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *InitProgress) GetLine() string {
@@ -487,7 +622,7 @@ type InitResult struct {
 
 func (x *InitResult) Reset() {
 	*x = InitResult{}
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -499,7 +634,7 @@ func (x *InitResult) String() string {
 func (*InitResult) ProtoMessage() {}
 
 func (x *InitResult) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_init_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_init_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -512,7 +647,7 @@ func (x *InitResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitResult.ProtoReflect.Descriptor instead.
 func (*InitResult) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{5}
+	return file_internal_api_berthv1_init_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *InitResult) GetKubeconfig() []byte {
@@ -540,20 +675,28 @@ var File_internal_api_berthv1_init_proto protoreflect.FileDescriptor
 
 const file_internal_api_berthv1_init_proto_rawDesc = "" +
 	"\n" +
-	"\x1finternal/api/berthv1/init.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\xb9\x01\n" +
+	"\x1finternal/api/berthv1/init.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\xf9\x01\n" +
 	"\x11InitClientMessage\x12+\n" +
 	"\x05hello\x18\x01 \x01(\v2\x13.berth.v1.InitHelloH\x00R\x05hello\x12=\n" +
 	"\tchallenge\x18\x02 \x01(\v2\x1d.berth.v1.ActivationChallengeH\x00R\tchallenge\x121\n" +
-	"\arequest\x18\x03 \x01(\v2\x15.berth.v1.InitRequestH\x00R\arequestB\x05\n" +
-	"\x03msg\"\xe5\x01\n" +
+	"\arequest\x18\x03 \x01(\v2\x15.berth.v1.InitRequestH\x00R\arequest\x12>\n" +
+	"\fsecret_proof\x18\x04 \x01(\v2\x19.berth.v1.InitSecretProofH\x00R\vsecretProofB\x05\n" +
+	"\x03msg\"\xb1\x02\n" +
 	"\x11InitServerMessage\x120\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceH\x00R\bevidence\x121\n" +
 	"\x05proof\x18\x02 \x01(\v2\x19.berth.v1.ActivationProofH\x00R\x05proof\x124\n" +
 	"\bprogress\x18\x03 \x01(\v2\x16.berth.v1.InitProgressH\x00R\bprogress\x12.\n" +
-	"\x06result\x18\x04 \x01(\v2\x14.berth.v1.InitResultH\x00R\x06resultB\x05\n" +
+	"\x06result\x18\x04 \x01(\v2\x14.berth.v1.InitResultH\x00R\x06result\x12J\n" +
+	"\x10secret_challenge\x18\x05 \x01(\v2\x1d.berth.v1.InitSecretChallengeH\x00R\x0fsecretChallengeB\x05\n" +
 	"\x03msg\"\x1f\n" +
 	"\tInitHello\x12\x12\n" +
-	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"\xaf\x04\n" +
+	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"_\n" +
+	"\x13InitSecretChallenge\x12'\n" +
+	"\x0fhash_parameters\x18\x01 \x01(\tR\x0ehashParameters\x12\x1f\n" +
+	"\vhash_length\x18\x02 \x01(\rR\n" +
+	"hashLength\"#\n" +
+	"\x0fInitSecretProof\x12\x10\n" +
+	"\x03mac\x18\x01 \x01(\fR\x03mac\"\xaf\x04\n" +
 	"\vInitRequest\x12\x1f\n" +
 	"\vinit_secret\x18\x01 \x01(\fR\n" +
 	"initSecret\x12#\n" +
@@ -599,33 +742,37 @@ func file_internal_api_berthv1_init_proto_rawDescGZIP() []byte {
 	return file_internal_api_berthv1_init_proto_rawDescData
 }
 
-var file_internal_api_berthv1_init_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_internal_api_berthv1_init_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_internal_api_berthv1_init_proto_goTypes = []any{
 	(*InitClientMessage)(nil),   // 0: berth.v1.InitClientMessage
 	(*InitServerMessage)(nil),   // 1: berth.v1.InitServerMessage
 	(*InitHello)(nil),           // 2: berth.v1.InitHello
-	(*InitRequest)(nil),         // 3: berth.v1.InitRequest
-	(*InitProgress)(nil),        // 4: berth.v1.InitProgress
-	(*InitResult)(nil),          // 5: berth.v1.InitResult
-	(*ActivationChallenge)(nil), // 6: berth.v1.ActivationChallenge
-	(*Evidence)(nil),            // 7: berth.v1.Evidence
-	(*ActivationProof)(nil),     // 8: berth.v1.ActivationProof
+	(*InitSecretChallenge)(nil), // 3: berth.v1.InitSecretChallenge
+	(*InitSecretProof)(nil),     // 4: berth.v1.InitSecretProof
+	(*InitRequest)(nil),         // 5: berth.v1.InitRequest
+	(*InitProgress)(nil),        // 6: berth.v1.InitProgress
+	(*InitResult)(nil),          // 7: berth.v1.InitResult
+	(*ActivationChallenge)(nil), // 8: berth.v1.ActivationChallenge
+	(*Evidence)(nil),            // 9: berth.v1.Evidence
+	(*ActivationProof)(nil),     // 10: berth.v1.ActivationProof
 }
 var file_internal_api_berthv1_init_proto_depIdxs = []int32{
-	2, // 0: berth.v1.InitClientMessage.hello:type_name -> berth.v1.InitHello
-	6, // 1: berth.v1.InitClientMessage.challenge:type_name -> berth.v1.ActivationChallenge
-	3, // 2: berth.v1.InitClientMessage.request:type_name -> berth.v1.InitRequest
-	7, // 3: berth.v1.InitServerMessage.evidence:type_name -> berth.v1.Evidence
-	8, // 4: berth.v1.InitServerMessage.proof:type_name -> berth.v1.ActivationProof
-	4, // 5: berth.v1.InitServerMessage.progress:type_name -> berth.v1.InitProgress
-	5, // 6: berth.v1.InitServerMessage.result:type_name -> berth.v1.InitResult
-	0, // 7: berth.v1.InitService.Init:input_type -> berth.v1.InitClientMessage
-	1, // 8: berth.v1.InitService.Init:output_type -> berth.v1.InitServerMessage
-	8, // [8:9] is the sub-list for method output_type
-	7, // [7:8] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	2,  // 0: berth.v1.InitClientMessage.hello:type_name -> berth.v1.InitHello
+	8,  // 1: berth.v1.InitClientMessage.challenge:type_name -> berth.v1.ActivationChallenge
+	5,  // 2: berth.v1.InitClientMessage.request:type_name -> berth.v1.InitRequest
+	4,  // 3: berth.v1.InitClientMessage.secret_proof:type_name -> berth.v1.InitSecretProof
+	9,  // 4: berth.v1.InitServerMessage.evidence:type_name -> berth.v1.Evidence
+	10, // 5: berth.v1.InitServerMessage.proof:type_name -> berth.v1.ActivationProof
+	6,  // 6: berth.v1.InitServerMessage.progress:type_name -> berth.v1.InitProgress
+	7,  // 7: berth.v1.InitServerMessage.result:type_name -> berth.v1.InitResult
+	3,  // 8: berth.v1.InitServerMessage.secret_challenge:type_name -> berth.v1.InitSecretChallenge
+	0,  // 9: berth.v1.InitService.Init:input_type -> berth.v1.InitClientMessage
+	1,  // 10: berth.v1.InitService.Init:output_type -> berth.v1.InitServerMessage
+	10, // [10:11] is the sub-list for method output_type
+	9,  // [9:10] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_internal_api_berthv1_init_proto_init() }
@@ -638,12 +785,14 @@ func file_internal_api_berthv1_init_proto_init() {
 		(*InitClientMessage_Hello)(nil),
 		(*InitClientMessage_Challenge)(nil),
 		(*InitClientMessage_Request)(nil),
+		(*InitClientMessage_SecretProof)(nil),
 	}
 	file_internal_api_berthv1_init_proto_msgTypes[1].OneofWrappers = []any{
 		(*InitServerMessage_Evidence)(nil),
 		(*InitServerMessage_Proof)(nil),
 		(*InitServerMessage_Progress)(nil),
 		(*InitServerMessage_Result)(nil),
+		(*InitServerMessage_SecretChallenge)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -651,7 +800,7 @@ func file_internal_api_berthv1_init_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_api_berthv1_init_proto_rawDesc), len(file_internal_api_berthv1_init_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -28,10 +28,12 @@ const (
 //
 // InitService runs on a fresh control-plane node until one cluster has been initialized on it.
 //
-// The client attests the node before it reveals anything: it names the PCRs, the node answers with
-// evidence bound to this connection, the client challenges the attestation key, the node proves it; only
-// then does the client send the init request, whose init secret the node checks before it does anything
-// else. The node streams kubeadm's progress and ends with the result.
+// The client attests the node before it reveals anything: it names the PCRs; the node answers with its
+// init secret hash's parameters (InitSecretChallenge), and the client proves that it can compute the hash
+// from the secret, over this connection (InitSecretProof), before the node spends a TPM command on it. The
+// node answers with evidence bound to this connection, the client challenges the attestation key, the node
+// proves it; only then does the client send the init request, whose init secret the node checks before it
+// does anything else. The node streams kubeadm's progress and ends with the result.
 type InitServiceClient interface {
 	Init(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[InitClientMessage, InitServerMessage], error)
 }
@@ -63,10 +65,12 @@ type InitService_InitClient = grpc.BidiStreamingClient[InitClientMessage, InitSe
 //
 // InitService runs on a fresh control-plane node until one cluster has been initialized on it.
 //
-// The client attests the node before it reveals anything: it names the PCRs, the node answers with
-// evidence bound to this connection, the client challenges the attestation key, the node proves it; only
-// then does the client send the init request, whose init secret the node checks before it does anything
-// else. The node streams kubeadm's progress and ends with the result.
+// The client attests the node before it reveals anything: it names the PCRs; the node answers with its
+// init secret hash's parameters (InitSecretChallenge), and the client proves that it can compute the hash
+// from the secret, over this connection (InitSecretProof), before the node spends a TPM command on it. The
+// node answers with evidence bound to this connection, the client challenges the attestation key, the node
+// proves it; only then does the client send the init request, whose init secret the node checks before it
+// does anything else. The node streams kubeadm's progress and ends with the result.
 type InitServiceServer interface {
 	Init(grpc.BidiStreamingServer[InitClientMessage, InitServerMessage]) error
 	mustEmbedUnimplementedInitServiceServer()

@@ -8,11 +8,14 @@
 // error, a wrong secret, no hash at all) ends the stream with the same "init refused", so that anyone who
 // can reach the port learns nothing about the node, its TPM or its metadata.
 //
-// One exchange runs at a time (a quote, an activation and 64 MiB of argon2id each). A stream takes that
-// slot only once it said hello, within seconds of opening; it waits for the slot up to SlotWait and is
-// then told "busy", which the client retries within its own timeout; and it loses the slot when any of its
-// answers takes longer than ten seconds. So anyone who can reach the port holds the slot for seconds at a
-// time and only while it keeps the exchange going, never for the exchange's whole timeout.
+// Nothing runs for a client that has not shown it holds the init secret: after its hello, the server sends
+// the parameters and salt of the secret's hash and the client answers an HMAC of the connection's nonce
+// keyed with the hash it computed (internal/initsecret, Proof), which the server checks with one HMAC. Only
+// then does the exchange take the node's one exchange slot (a quote, an activation and 64 MiB of argon2id
+// each). A stranger thus costs a connection for seconds and never the slot, so any number of strangers
+// cannot delay a genuine init. The stream waits for the slot up to SlotWait and is then told "busy", which
+// the client retries within its own timeout, and it loses the slot when any of its answers takes longer
+// than ten seconds.
 //
 // After the secret, the server explains itself. The request is checked in full before the node lock is
 // taken, since checking changes nothing and a typo should not cost the operator the node. Taking the lock
@@ -239,9 +242,11 @@ func ServerCredentials() (tls.Certificate, error) {
 	return tls.Certificate{Certificate: [][]byte{leaf.Raw, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}, nil
 }
 
-// portSlots bounds the connections served at once on the init port: its servers run one exchange at a
-// time, so a few connections waiting for it are all a legitimate client (Terraform, an operator) needs.
-const portSlots = 8
+// portSlots bounds the connections served at once on the init port. Its servers run one exchange at a
+// time, and a legitimate client (Terraform, an operator) needs a connection or two; the rest are room for
+// strangers, whom the init server keeps for seconds before it refuses them (about 32 KiB each), so that
+// dozens of stranger addresses do not make a genuine client wait for a connection.
+const portSlots = 64
 
 // Listen wraps the init port's listener inner in its limits: portSlots connections served at once, two per
 // address, each serving one exchange of at most exchange (see docs/agent.md, Limits). The init and recovery
@@ -270,10 +275,17 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 	defer func() { s.cfg.Metrics.InitExchange(outcome, time.Since(start)) }()
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
-	// The slot is taken only by a stream that said hello at once: a silent one never holds it, and one
-	// that stalls later loses it after rpc.StepTimeout.
+	// The slot is taken only by a stream that said hello at once and proved it holds the init secret: a
+	// silent one or a stranger never holds it, and one that stalls later loses it after rpc.StepTimeout.
 	hello, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
 	if err != nil || hello.GetHello() == nil {
+		return errRefused
+	}
+	pcrs, err := attest.PCRIndexes(hello.GetHello().GetPcrs())
+	if err != nil {
+		return errRefused
+	}
+	if !s.admit(ctx, st) {
 		return errRefused
 	}
 	if !s.slot.Take(ctx, s.cfg.SlotWait) {
@@ -281,7 +293,7 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 		return rpc.ErrBusy
 	}
 	defer s.slot.Release()
-	req := s.authenticate(ctx, st, hello)
+	req := s.authenticate(ctx, st, pcrs)
 	if req == nil {
 		return errRefused
 	}
@@ -343,14 +355,34 @@ type noMetrics struct{}
 
 func (noMetrics) InitExchange(string, time.Duration) {}
 
-// authenticate runs the exchange up to the init secret check and returns the request that passed it, or
-// nil. It neither logs nor tells why: see the package documentation.
-func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitServer, hello *berthv1.InitClientMessage) *berthv1.InitRequest {
+// admit runs the secret challenge and reports whether the client proved, over this connection, that it
+// can compute the init secret's hash. Like authenticate, it neither logs nor tells why.
+func (s *Server) admit(ctx context.Context, st berthv1.InitService_InitServer) bool {
+	hash := s.cfg.Self.UserData.InitSecretHash
+	params, keyLen, err := initsecret.Challenge(hash)
+	if err != nil {
+		return false
+	}
 	nonce, err := rpc.StreamNonce(ctx)
 	if err != nil {
-		return nil
+		return false
 	}
-	pcrs, err := attest.PCRIndexes(hello.GetHello().GetPcrs())
+	challenge := &berthv1.InitSecretChallenge{HashParameters: params, HashLength: uint32(keyLen)}
+	if st.Send(&berthv1.InitServerMessage{Msg: &berthv1.InitServerMessage_SecretChallenge{SecretChallenge: challenge}}) != nil {
+		return false
+	}
+	msg, err := rpc.RecvWithin(ctx, st, rpc.StepTimeout)
+	if err != nil || msg.GetSecretProof() == nil {
+		return false
+	}
+	ok, err := initsecret.CheckProof(hash, nonce, msg.GetSecretProof().GetMac())
+	return err == nil && ok
+}
+
+// authenticate runs the exchange up to the init secret check and returns the request that passed it, or
+// nil. It neither logs nor tells why: see the package documentation.
+func (s *Server) authenticate(ctx context.Context, st berthv1.InitService_InitServer, pcrs []int) *berthv1.InitRequest {
+	nonce, err := rpc.StreamNonce(ctx)
 	if err != nil {
 		return nil
 	}

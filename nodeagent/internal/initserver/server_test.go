@@ -3,7 +3,10 @@ package initserver
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
 	"crypto/tls"
+	"encoding/base64"
 	"errors"
 	"log/slog"
 	"net"
@@ -464,9 +467,27 @@ func TestInit(t *testing.T) {
 			req.InitSecret = []byte("not-the-init-secret")
 			_, err := initclient.Init(ctx, n.client(f, req, new([]string)))
 			checkRefused(t, err)
-			if n.prover.activations.Load() == 0 {
-				t.Error("the request was sent without attestation")
+			if n.prover.evidences.Load() != 0 {
+				t.Error("the node quoted for a client that could not prove the init secret")
 			}
+		})
+
+		// Whoever reads the node's user-data knows the hash, which passes the secret challenge; the init
+		// secret in the request is still checked, after the attestation.
+		t.Run("the hash but not the secret", func(t *testing.T) {
+			st := rawStream(t, n.addr)
+			f.admit(t, st, hashProof(t, f.hash), 7)
+			msg, err := st.Recv()
+			if err != nil || msg.GetEvidence() == nil {
+				t.Fatalf("want evidence, got %v, %v", msg, err)
+			}
+			req := f.request(t)
+			req.InitSecret = []byte("not-the-init-secret")
+			if err := st.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Request{Request: req}}); err != nil {
+				t.Fatal(err)
+			}
+			_, err = st.Recv()
+			checkRefused(t, err)
 		})
 
 		t.Run("a client that skips or garbles the exchange", func(t *testing.T) {
@@ -475,10 +496,15 @@ func TestInit(t *testing.T) {
 				return &berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: pcrs}}}
 			}
 			request := &berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Request{Request: right}}
+			proof := func(mac []byte) *berthv1.InitClientMessage {
+				return &berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_SecretProof{SecretProof: &berthv1.InitSecretProof{Mac: mac}}}
+			}
 			for _, tc := range []struct {
 				name string
 				send []*berthv1.InitClientMessage
-				// afterEvidence sends these once the evidence has arrived.
+				// afterChallenge sends these once the secret challenge has arrived.
+				afterChallenge []*berthv1.InitClientMessage
+				// afterEvidence says hello, proves the init secret and, once the evidence arrived, sends these.
 				afterEvidence []*berthv1.InitClientMessage
 			}{
 				{name: "request with the right secret, no hello", send: []*berthv1.InitClientMessage{request}},
@@ -488,21 +514,41 @@ func TestInit(t *testing.T) {
 				{name: "hello with PCR 24", send: []*berthv1.InitClientMessage{hello(7, 24)}},
 				{name: "hello with a PCR twice", send: []*berthv1.InitClientMessage{hello(7, 7)}},
 				{name: "hello with 25 PCRs", send: []*berthv1.InitClientMessage{hello(slices.Repeat([]uint32{1}, 25)...)}},
-				{name: "request with the right secret instead of the challenge", send: []*berthv1.InitClientMessage{hello(7)},
+				{name: "hello, then no proof", send: []*berthv1.InitClientMessage{hello(7)}, afterChallenge: []*berthv1.InitClientMessage{}},
+				{name: "hello, then a wrong proof", send: []*berthv1.InitClientMessage{hello(7)},
+					afterChallenge: []*berthv1.InitClientMessage{proof(bytes.Repeat([]byte{1}, 32))}},
+				{name: "hello, then an empty proof", send: []*berthv1.InitClientMessage{hello(7)},
+					afterChallenge: []*berthv1.InitClientMessage{proof(nil)}},
+				{name: "hello, then the request with the right secret instead of the proof", send: []*berthv1.InitClientMessage{hello(7)},
+					afterChallenge: []*berthv1.InitClientMessage{request}},
+				{name: "request with the right secret instead of the challenge",
 					afterEvidence: []*berthv1.InitClientMessage{request}},
-				{name: "garbage challenge", send: []*berthv1.InitClientMessage{hello(7)},
+				{name: "garbage challenge",
 					afterEvidence: []*berthv1.InitClientMessage{{Msg: &berthv1.InitClientMessage_Challenge{Challenge: &berthv1.ActivationChallenge{
 						Credential: []byte("garbage"), Secret: []byte("garbage")}}}}},
-				{name: "hello, then the client stops sending", send: []*berthv1.InitClientMessage{hello(7)}, afterEvidence: []*berthv1.InitClientMessage{}},
+				{name: "proof, then the client stops sending", afterEvidence: []*berthv1.InitClientMessage{}},
 			} {
 				t.Run(tc.name, func(t *testing.T) {
+					evidences := n.prover.evidences.Load()
 					st := rawStream(t, n.addr)
 					for _, m := range tc.send {
 						if err := st.Send(m); err != nil {
 							t.Fatal(err)
 						}
 					}
+					if tc.afterChallenge != nil {
+						msg, err := st.Recv()
+						if err != nil || msg.GetSecretChallenge() == nil {
+							t.Fatalf("want the secret challenge, got %v, %v", msg, err)
+						}
+						for _, m := range tc.afterChallenge {
+							if err := st.Send(m); err != nil {
+								t.Fatal(err)
+							}
+						}
+					}
 					if tc.afterEvidence != nil {
+						f.admit(t, st, f.secretProof, 7)
 						msg, err := st.Recv()
 						if err != nil || msg.GetEvidence() == nil {
 							t.Fatalf("want evidence, got %v, %v", msg, err)
@@ -518,15 +564,16 @@ func TestInit(t *testing.T) {
 					}
 					_, err := st.Recv()
 					checkRefused(t, err)
+					if tc.afterEvidence == nil && n.prover.evidences.Load() != evidences {
+						t.Error("the node quoted before the client proved the init secret")
+					}
 				})
 			}
 		})
 
 		t.Run("second init while one is running", func(t *testing.T) {
 			first := rawStream(t, n.addr)
-			if err := first.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{7}}}}); err != nil {
-				t.Fatal(err)
-			}
+			f.admit(t, first, f.secretProof, 7)
 			if msg, err := first.Recv(); err != nil || msg.GetEvidence() == nil {
 				t.Fatalf("want evidence, got %v, %v", msg, err)
 			}
@@ -613,9 +660,7 @@ func TestInit(t *testing.T) {
 	t.Run("a client asks again while the node is busy", func(t *testing.T) {
 		n := f.newNode(t, func(c *Config) { c.SlotWait = 100 * time.Millisecond })
 		first := rawStream(t, n.addr)
-		if err := first.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{7}}}}); err != nil {
-			t.Fatal(err)
-		}
+		f.admit(t, first, f.secretProof, 7)
 		if msg, err := first.Recv(); err != nil || msg.GetEvidence() == nil {
 			t.Fatalf("want evidence, got %v, %v", msg, err)
 		}
@@ -730,6 +775,52 @@ func checkFiles(t *testing.T, f *fixture, n *node, req *berthv1.InitRequest, clu
 	}
 }
 
+// admit says hello to st asking for pcrs and answers the secret challenge with prove's proof for the
+// stream's nonce.
+func (f *fixture) admit(t *testing.T, st grpc.BidiStreamingClient[berthv1.InitClientMessage, berthv1.InitServerMessage],
+	prove func(t *testing.T, c *berthv1.InitSecretChallenge, nonce []byte) []byte, pcrs ...uint32) {
+	t.Helper()
+	if err := st.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: pcrs}}}); err != nil {
+		t.Fatal(err)
+	}
+	msg, err := st.Recv()
+	if err != nil || msg.GetSecretChallenge() == nil {
+		t.Fatalf("want the secret challenge, got %v, %v", msg, err)
+	}
+	nonce, err := rpc.StreamNonce(st.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mac := prove(t, msg.GetSecretChallenge(), nonce)
+	if err := st.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_SecretProof{SecretProof: &berthv1.InitSecretProof{Mac: mac}}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// secretProof proves the fixture's init secret, as the init client does.
+func (f *fixture) secretProof(t *testing.T, c *berthv1.InitSecretChallenge, nonce []byte) []byte {
+	mac, err := initsecret.Proof(c.GetHashParameters(), int(c.GetHashLength()), f.secret, nonce)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mac
+}
+
+// hashProof proves knowledge of the hash encoded (not of the secret) by the construction init.proto
+// describes: HMAC-SHA256 keyed with the hash, of the label and the nonce.
+func hashProof(t *testing.T, encoded string) func(*testing.T, *berthv1.InitSecretChallenge, []byte) []byte {
+	return func(t *testing.T, _ *berthv1.InitSecretChallenge, nonce []byte) []byte {
+		key, err := base64.RawStdEncoding.DecodeString(encoded[strings.LastIndexByte(encoded, '$')+1:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := hmac.New(sha256.New, key)
+		m.Write([]byte("berth init admission\x00"))
+		m.Write(nonce)
+		return m.Sum(nil)
+	}
+}
+
 func rawStream(t *testing.T, addr string) grpc.BidiStreamingClient[berthv1.InitClientMessage, berthv1.InitServerMessage] {
 	t.Helper()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
@@ -825,13 +916,14 @@ func (r *recorder) snapshot() []run {
 	return slices.Clone(r.runs)
 }
 
-// countingProver is the node's real prover, counting the credential activations it performed.
+// countingProver is the node's real prover, counting the quotes and credential activations it performed.
 type countingProver struct {
-	p           *attest.Prover
-	activations atomic.Int64
+	p                      *attest.Prover
+	evidences, activations atomic.Int64
 }
 
 func (c *countingProver) Evidence(nonce []byte, pcrs []int) (*berthv1.Evidence, error) {
+	c.evidences.Add(1)
 	return c.p.Evidence(nonce, pcrs)
 }
 

@@ -134,7 +134,7 @@ func (l *Lab) initAttacks(t *testing.T) {
 		}
 	})
 	t.Run("init while strangers hold silent streams and TLS connections", func(t *testing.T) {
-		// Three addresses, each at the init port's limit of two connections: six of its eight slots.
+		// Three addresses, each at the init port's limit of two connections.
 		for i := range 3 {
 			from := l.AddUnlistedNode(fmt.Sprintf("init-attacker-%d", i))
 			silentInitStream(t, it.addr, from.Addr)

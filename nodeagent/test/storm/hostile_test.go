@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -221,28 +222,49 @@ func tail(s string, n int) string {
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
-// initUnderAttack starts a real agent process as a fresh control-plane node and initializes the cluster
-// with berth_cluster's client while strangers on three addresses each hold a silent init stream and an idle
-// TLS connection to its init port (six of its eight slots, two per address, the most an address may hold).
+// initStrangers is the number of stranger addresses on the init port during the attacked init.
+const initStrangers = 8
+
+// initUnderAttack initializes two fresh control-plane nodes, each a real agent process, with berth_cluster's
+// client: the first unattacked, the second while strangers on initStrangers addresses each hold a stalling
+// exchange (a hello, then nothing) and an idle TLS connection to its init port, two connections per address,
+// the most an address may hold. The attacked init must take at most twice the unattacked one.
 func (h *Host) initUnderAttack(t *testing.T) {
 	repotest.NeedsRoot(t, "the init node's agent formats and keys a LUKS2 state disk")
+	unattacked := h.initNode(t, 0, 0)
+	attacked := h.initNode(t, 1, initStrangers)
+	t.Logf("init: %.2f s unattacked, %.2f s with %d stranger addresses on the init port (%.1f×)",
+		unattacked.Seconds(), attacked.Seconds(), initStrangers, attacked.Seconds()/unattacked.Seconds())
+	if attacked > 2*unattacked && attacked > unattacked+time.Second {
+		t.Errorf("strangers on the init port slowed a genuine init from %s to %s", unattacked, attacked)
+	}
+}
+
+// initNode starts fresh control-plane node k and initializes it while strangers from that many addresses
+// stall on its init port; it returns how long the init took.
+func (h *Host) initNode(t *testing.T, k, strangers int) time.Duration {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cp := metadata.Instance{Name: "cp-init", Role: metadata.RoleControlPlane, Addresses: []netip.Addr{netip.MustParseAddr("127.3.0.1")}}
+	cp := metadata.Instance{Name: fmt.Sprintf("cp-init-%d", k), Role: metadata.RoleControlPlane,
+		Addresses: []netip.Addr{netip.AddrFrom4([4]byte{127, 3, 0, byte(1 + k)})}}
 	h.AddInstances(cp)
 	initAddr := netip.AddrPortFrom(cp.Addresses[0], uint16(kubetest.FreePort(t))).String()
 	if err := h.StartInitNode(ctx, cp, h.EKCA.NewTPM(t), initAddr); err != nil {
 		t.Fatal(err)
 	}
 	anyCert := &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true, NextProtos: []string{"h2"}}
-	for i := range 3 {
-		from := netip.AddrFrom4([4]byte{127, 4, 0, byte(1 + i)})
+	for i := range strangers {
+		from := netip.AddrFrom4([4]byte{127, 4, byte(k), byte(1 + i)})
 		conn, err := grpc.NewClient(initAddr, rpc.DialOptions(anyCert, from)...)
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { conn.Close() })
-		if _, err := berthv1.NewInitServiceClient(conn).Init(ctx); err != nil {
+		st, err := berthv1.NewInitServiceClient(conn).Init(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := st.Send(&berthv1.InitClientMessage{Msg: &berthv1.InitClientMessage_Hello{Hello: &berthv1.InitHello{Pcrs: []uint32{7}}}}); err != nil {
 			t.Fatal(err)
 		}
 		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: from.AsSlice()}}
@@ -276,11 +298,12 @@ func (h *Host) initUnderAttack(t *testing.T) {
 		},
 		Busy: func(attempt int, wait time.Duration) { t.Logf("the init server was busy (attempt %d)", attempt) },
 	})
+	took := time.Since(start)
 	if err != nil {
-		t.Fatalf("init while strangers hold the init port: %v", err)
+		t.Fatalf("init of %s with %d strangers on its port: %v", cp.Name, strangers, err)
 	}
 	if len(res.Kubeconfig) == 0 {
 		t.Fatal("the init result has no kubeconfig")
 	}
-	t.Logf("initialized through the held init port in %.1fs", time.Since(start).Seconds())
+	return took
 }
