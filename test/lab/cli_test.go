@@ -141,7 +141,8 @@ func TestLabCLI(t *testing.T) {
 	}
 
 	// cp-0 runs image berthlab-a: attested against berthlab-b's prediction it fails on PCR 11, and what it
-	// quotes there is berthlab-a's prediction. The init secret is never sent to a node that fails.
+	// quotes there is berthlab-a's prediction. The client proves the init secret before the node quotes, but
+	// the secret itself is never sent to a node that fails.
 	l, err := Open(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +155,7 @@ func TestLabCLI(t *testing.T) {
 		Endpoint:     net.JoinHostPort("10.250.0.10", fmt.Sprint(initPort)),
 		Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
 		ExpectedPCRs: PredictedPCRs("berthlab-b"),
-		Request:      &berthv1.InitRequest{InitSecret: []byte("never sent")},
+		Request:      &berthv1.InitRequest{InitSecret: []byte(secret)},
 		Timeout:      3 * time.Minute,
 	})
 	var me *initclient.MeasurementError
