@@ -342,7 +342,8 @@ func allIn(line string, texts []string) bool {
 // useless (the storage seed changed) and no other node can give it a rejoin ticket. berth-agent recover,
 // run by the operator with the root key, brings it back. Before that, the node booted from an image outside
 // the policy is refused by the operator's tool, naming PCR 11, expected and got, with nothing sent to the
-// node; and back on its image, a wrong root key is refused by the node (the key opens nothing). Recovered,
+// node's key; and back on its image, a wrong root key is refused by the node before it quotes (the proof of
+// its disk key is wrong). Recovered,
 // the node seals its key in its new storage hierarchy, and its next reboot needs nobody.
 func TestRecovery(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -415,10 +416,10 @@ func TestRecovery(t *testing.T) {
 	waitLog(ctx, t, cp, mark, `"msg":"local unlock refused; asking for a rejoin ticket"`, "another TPM, or in this one before it was cleared")
 	waitLog(ctx, t, cp, mark, `"msg":"recovery server listening`)
 	out, err = recoverNode(wrong, policyFile(a))
-	if err == nil || !strings.Contains(out, "does not open this node's state disk") {
-		t.Fatalf("recovery with a wrong root key: %v\n%s\nwant the node's refusal", err, out)
+	if err == nil || !strings.Contains(out, "the proof is not of this node's disk key") {
+		t.Fatalf("recovery with a wrong root key: %v\n%s\nwant the node's refusal of the proof", err, out)
 	}
-	wantInLog(t, cp, mark, `"msg":"recovery refused: the key does not open the state disk"`)
+	wantInLog(t, cp, mark, `"msg":"recovery refused before any TPM command"`)
 	notInLog(t, cp, mark, "state disk recovered")
 
 	out, err = recoverNode(root, policyFile(a))

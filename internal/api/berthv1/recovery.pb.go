@@ -28,6 +28,7 @@ type RecoveryClientMessage struct {
 	//	*RecoveryClientMessage_Hello
 	//	*RecoveryClientMessage_Challenge
 	//	*RecoveryClientMessage_Key
+	//	*RecoveryClientMessage_AdmissionProof
 	Msg           isRecoveryClientMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -97,6 +98,15 @@ func (x *RecoveryClientMessage) GetKey() *RecoveryKey {
 	return nil
 }
 
+func (x *RecoveryClientMessage) GetAdmissionProof() *RecoveryAdmissionProof {
+	if x != nil {
+		if x, ok := x.Msg.(*RecoveryClientMessage_AdmissionProof); ok {
+			return x.AdmissionProof
+		}
+	}
+	return nil
+}
+
 type isRecoveryClientMessage_Msg interface {
 	isRecoveryClientMessage_Msg()
 }
@@ -113,11 +123,17 @@ type RecoveryClientMessage_Key struct {
 	Key *RecoveryKey `protobuf:"bytes,3,opt,name=key,proto3,oneof"`
 }
 
+type RecoveryClientMessage_AdmissionProof struct {
+	AdmissionProof *RecoveryAdmissionProof `protobuf:"bytes,4,opt,name=admission_proof,json=admissionProof,proto3,oneof"`
+}
+
 func (*RecoveryClientMessage_Hello) isRecoveryClientMessage_Msg() {}
 
 func (*RecoveryClientMessage_Challenge) isRecoveryClientMessage_Msg() {}
 
 func (*RecoveryClientMessage_Key) isRecoveryClientMessage_Msg() {}
+
+func (*RecoveryClientMessage_AdmissionProof) isRecoveryClientMessage_Msg() {}
 
 type RecoveryServerMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -126,6 +142,7 @@ type RecoveryServerMessage struct {
 	//	*RecoveryServerMessage_Evidence
 	//	*RecoveryServerMessage_Proof
 	//	*RecoveryServerMessage_Result
+	//	*RecoveryServerMessage_AdmissionChallenge
 	Msg           isRecoveryServerMessage_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -195,6 +212,15 @@ func (x *RecoveryServerMessage) GetResult() *RecoveryResult {
 	return nil
 }
 
+func (x *RecoveryServerMessage) GetAdmissionChallenge() *RecoveryAdmissionChallenge {
+	if x != nil {
+		if x, ok := x.Msg.(*RecoveryServerMessage_AdmissionChallenge); ok {
+			return x.AdmissionChallenge
+		}
+	}
+	return nil
+}
+
 type isRecoveryServerMessage_Msg interface {
 	isRecoveryServerMessage_Msg()
 }
@@ -211,11 +237,17 @@ type RecoveryServerMessage_Result struct {
 	Result *RecoveryResult `protobuf:"bytes,3,opt,name=result,proto3,oneof"`
 }
 
+type RecoveryServerMessage_AdmissionChallenge struct {
+	AdmissionChallenge *RecoveryAdmissionChallenge `protobuf:"bytes,4,opt,name=admission_challenge,json=admissionChallenge,proto3,oneof"`
+}
+
 func (*RecoveryServerMessage_Evidence) isRecoveryServerMessage_Msg() {}
 
 func (*RecoveryServerMessage_Proof) isRecoveryServerMessage_Msg() {}
 
 func (*RecoveryServerMessage_Result) isRecoveryServerMessage_Msg() {}
+
+func (*RecoveryServerMessage_AdmissionChallenge) isRecoveryServerMessage_Msg() {}
 
 type RecoveryHello struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -262,6 +294,98 @@ func (x *RecoveryHello) GetPcrs() []uint32 {
 	return nil
 }
 
+// RecoveryAdmissionChallenge names the disk whose key the operator must show it holds. A node whose disk
+// header keeps no admission key (its keying was interrupted) sends none and answers the hello with evidence.
+type RecoveryAdmissionChallenge struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	DiskUuid      string                 `protobuf:"bytes,1,opt,name=disk_uuid,json=diskUuid,proto3" json:"disk_uuid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecoveryAdmissionChallenge) Reset() {
+	*x = RecoveryAdmissionChallenge{}
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecoveryAdmissionChallenge) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecoveryAdmissionChallenge) ProtoMessage() {}
+
+func (x *RecoveryAdmissionChallenge) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecoveryAdmissionChallenge.ProtoReflect.Descriptor instead.
+func (*RecoveryAdmissionChallenge) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *RecoveryAdmissionChallenge) GetDiskUuid() string {
+	if x != nil {
+		return x.DiskUuid
+	}
+	return ""
+}
+
+// RecoveryAdmissionProof is HMAC-SHA256, keyed with the disk's recovery admission key (HKDF-SHA256 of the
+// disk key, no salt, info "berth/v1/recovery-admission"), of the connection's attestation nonce.
+type RecoveryAdmissionProof struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Mac           []byte                 `protobuf:"bytes,1,opt,name=mac,proto3" json:"mac,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecoveryAdmissionProof) Reset() {
+	*x = RecoveryAdmissionProof{}
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecoveryAdmissionProof) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecoveryAdmissionProof) ProtoMessage() {}
+
+func (x *RecoveryAdmissionProof) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecoveryAdmissionProof.ProtoReflect.Descriptor instead.
+func (*RecoveryAdmissionProof) Descriptor() ([]byte, []int) {
+	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *RecoveryAdmissionProof) GetMac() []byte {
+	if x != nil {
+		return x.Mac
+	}
+	return nil
+}
+
 type RecoveryEvidence struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Evidence *Evidence              `protobuf:"bytes,1,opt,name=evidence,proto3" json:"evidence,omitempty"`
@@ -275,7 +399,7 @@ type RecoveryEvidence struct {
 
 func (x *RecoveryEvidence) Reset() {
 	*x = RecoveryEvidence{}
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[3]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -287,7 +411,7 @@ func (x *RecoveryEvidence) String() string {
 func (*RecoveryEvidence) ProtoMessage() {}
 
 func (x *RecoveryEvidence) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[3]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -300,7 +424,7 @@ func (x *RecoveryEvidence) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoveryEvidence.ProtoReflect.Descriptor instead.
 func (*RecoveryEvidence) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{3}
+	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RecoveryEvidence) GetEvidence() *Evidence {
@@ -340,7 +464,7 @@ type RecoveryKey struct {
 
 func (x *RecoveryKey) Reset() {
 	*x = RecoveryKey{}
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -352,7 +476,7 @@ func (x *RecoveryKey) String() string {
 func (*RecoveryKey) ProtoMessage() {}
 
 func (x *RecoveryKey) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[4]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -365,7 +489,7 @@ func (x *RecoveryKey) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoveryKey.ProtoReflect.Descriptor instead.
 func (*RecoveryKey) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{4}
+	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RecoveryKey) GetDiskKey() []byte {
@@ -383,7 +507,7 @@ type RecoveryResult struct {
 
 func (x *RecoveryResult) Reset() {
 	*x = RecoveryResult{}
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -395,7 +519,7 @@ func (x *RecoveryResult) String() string {
 func (*RecoveryResult) ProtoMessage() {}
 
 func (x *RecoveryResult) ProtoReflect() protoreflect.Message {
-	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[5]
+	mi := &file_internal_api_berthv1_recovery_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -408,26 +532,32 @@ func (x *RecoveryResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoveryResult.ProtoReflect.Descriptor instead.
 func (*RecoveryResult) Descriptor() ([]byte, []int) {
-	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{5}
+	return file_internal_api_berthv1_recovery_proto_rawDescGZIP(), []int{7}
 }
 
 var File_internal_api_berthv1_recovery_proto protoreflect.FileDescriptor
 
 const file_internal_api_berthv1_recovery_proto_rawDesc = "" +
 	"\n" +
-	"#internal/api/berthv1/recovery.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\xb9\x01\n" +
+	"#internal/api/berthv1/recovery.proto\x12\bberth.v1\x1a&internal/api/berthv1/attestation.proto\"\x86\x02\n" +
 	"\x15RecoveryClientMessage\x12/\n" +
 	"\x05hello\x18\x01 \x01(\v2\x17.berth.v1.RecoveryHelloH\x00R\x05hello\x12=\n" +
 	"\tchallenge\x18\x02 \x01(\v2\x1d.berth.v1.ActivationChallengeH\x00R\tchallenge\x12)\n" +
-	"\x03key\x18\x03 \x01(\v2\x15.berth.v1.RecoveryKeyH\x00R\x03keyB\x05\n" +
-	"\x03msg\"\xbf\x01\n" +
+	"\x03key\x18\x03 \x01(\v2\x15.berth.v1.RecoveryKeyH\x00R\x03key\x12K\n" +
+	"\x0fadmission_proof\x18\x04 \x01(\v2 .berth.v1.RecoveryAdmissionProofH\x00R\x0eadmissionProofB\x05\n" +
+	"\x03msg\"\x98\x02\n" +
 	"\x15RecoveryServerMessage\x128\n" +
 	"\bevidence\x18\x01 \x01(\v2\x1a.berth.v1.RecoveryEvidenceH\x00R\bevidence\x121\n" +
 	"\x05proof\x18\x02 \x01(\v2\x19.berth.v1.ActivationProofH\x00R\x05proof\x122\n" +
-	"\x06result\x18\x03 \x01(\v2\x18.berth.v1.RecoveryResultH\x00R\x06resultB\x05\n" +
+	"\x06result\x18\x03 \x01(\v2\x18.berth.v1.RecoveryResultH\x00R\x06result\x12W\n" +
+	"\x13admission_challenge\x18\x04 \x01(\v2$.berth.v1.RecoveryAdmissionChallengeH\x00R\x12admissionChallengeB\x05\n" +
 	"\x03msg\"#\n" +
 	"\rRecoveryHello\x12\x12\n" +
-	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"\x90\x01\n" +
+	"\x04pcrs\x18\x01 \x03(\rR\x04pcrs\"9\n" +
+	"\x1aRecoveryAdmissionChallenge\x12\x1b\n" +
+	"\tdisk_uuid\x18\x01 \x01(\tR\bdiskUuid\"*\n" +
+	"\x16RecoveryAdmissionProof\x12\x10\n" +
+	"\x03mac\x18\x01 \x01(\fR\x03mac\"\x90\x01\n" +
 	"\x10RecoveryEvidence\x12.\n" +
 	"\bevidence\x18\x01 \x01(\v2\x12.berth.v1.EvidenceR\bevidence\x12\x1b\n" +
 	"\tdisk_uuid\x18\x02 \x01(\tR\bdiskUuid\x12\x1b\n" +
@@ -451,33 +581,37 @@ func file_internal_api_berthv1_recovery_proto_rawDescGZIP() []byte {
 	return file_internal_api_berthv1_recovery_proto_rawDescData
 }
 
-var file_internal_api_berthv1_recovery_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_internal_api_berthv1_recovery_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_internal_api_berthv1_recovery_proto_goTypes = []any{
-	(*RecoveryClientMessage)(nil), // 0: berth.v1.RecoveryClientMessage
-	(*RecoveryServerMessage)(nil), // 1: berth.v1.RecoveryServerMessage
-	(*RecoveryHello)(nil),         // 2: berth.v1.RecoveryHello
-	(*RecoveryEvidence)(nil),      // 3: berth.v1.RecoveryEvidence
-	(*RecoveryKey)(nil),           // 4: berth.v1.RecoveryKey
-	(*RecoveryResult)(nil),        // 5: berth.v1.RecoveryResult
-	(*ActivationChallenge)(nil),   // 6: berth.v1.ActivationChallenge
-	(*ActivationProof)(nil),       // 7: berth.v1.ActivationProof
-	(*Evidence)(nil),              // 8: berth.v1.Evidence
+	(*RecoveryClientMessage)(nil),      // 0: berth.v1.RecoveryClientMessage
+	(*RecoveryServerMessage)(nil),      // 1: berth.v1.RecoveryServerMessage
+	(*RecoveryHello)(nil),              // 2: berth.v1.RecoveryHello
+	(*RecoveryAdmissionChallenge)(nil), // 3: berth.v1.RecoveryAdmissionChallenge
+	(*RecoveryAdmissionProof)(nil),     // 4: berth.v1.RecoveryAdmissionProof
+	(*RecoveryEvidence)(nil),           // 5: berth.v1.RecoveryEvidence
+	(*RecoveryKey)(nil),                // 6: berth.v1.RecoveryKey
+	(*RecoveryResult)(nil),             // 7: berth.v1.RecoveryResult
+	(*ActivationChallenge)(nil),        // 8: berth.v1.ActivationChallenge
+	(*ActivationProof)(nil),            // 9: berth.v1.ActivationProof
+	(*Evidence)(nil),                   // 10: berth.v1.Evidence
 }
 var file_internal_api_berthv1_recovery_proto_depIdxs = []int32{
-	2, // 0: berth.v1.RecoveryClientMessage.hello:type_name -> berth.v1.RecoveryHello
-	6, // 1: berth.v1.RecoveryClientMessage.challenge:type_name -> berth.v1.ActivationChallenge
-	4, // 2: berth.v1.RecoveryClientMessage.key:type_name -> berth.v1.RecoveryKey
-	3, // 3: berth.v1.RecoveryServerMessage.evidence:type_name -> berth.v1.RecoveryEvidence
-	7, // 4: berth.v1.RecoveryServerMessage.proof:type_name -> berth.v1.ActivationProof
-	5, // 5: berth.v1.RecoveryServerMessage.result:type_name -> berth.v1.RecoveryResult
-	8, // 6: berth.v1.RecoveryEvidence.evidence:type_name -> berth.v1.Evidence
-	0, // 7: berth.v1.RecoveryService.Recover:input_type -> berth.v1.RecoveryClientMessage
-	1, // 8: berth.v1.RecoveryService.Recover:output_type -> berth.v1.RecoveryServerMessage
-	8, // [8:9] is the sub-list for method output_type
-	7, // [7:8] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	2,  // 0: berth.v1.RecoveryClientMessage.hello:type_name -> berth.v1.RecoveryHello
+	8,  // 1: berth.v1.RecoveryClientMessage.challenge:type_name -> berth.v1.ActivationChallenge
+	6,  // 2: berth.v1.RecoveryClientMessage.key:type_name -> berth.v1.RecoveryKey
+	4,  // 3: berth.v1.RecoveryClientMessage.admission_proof:type_name -> berth.v1.RecoveryAdmissionProof
+	5,  // 4: berth.v1.RecoveryServerMessage.evidence:type_name -> berth.v1.RecoveryEvidence
+	9,  // 5: berth.v1.RecoveryServerMessage.proof:type_name -> berth.v1.ActivationProof
+	7,  // 6: berth.v1.RecoveryServerMessage.result:type_name -> berth.v1.RecoveryResult
+	3,  // 7: berth.v1.RecoveryServerMessage.admission_challenge:type_name -> berth.v1.RecoveryAdmissionChallenge
+	10, // 8: berth.v1.RecoveryEvidence.evidence:type_name -> berth.v1.Evidence
+	0,  // 9: berth.v1.RecoveryService.Recover:input_type -> berth.v1.RecoveryClientMessage
+	1,  // 10: berth.v1.RecoveryService.Recover:output_type -> berth.v1.RecoveryServerMessage
+	10, // [10:11] is the sub-list for method output_type
+	9,  // [9:10] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_internal_api_berthv1_recovery_proto_init() }
@@ -490,11 +624,13 @@ func file_internal_api_berthv1_recovery_proto_init() {
 		(*RecoveryClientMessage_Hello)(nil),
 		(*RecoveryClientMessage_Challenge)(nil),
 		(*RecoveryClientMessage_Key)(nil),
+		(*RecoveryClientMessage_AdmissionProof)(nil),
 	}
 	file_internal_api_berthv1_recovery_proto_msgTypes[1].OneofWrappers = []any{
 		(*RecoveryServerMessage_Evidence)(nil),
 		(*RecoveryServerMessage_Proof)(nil),
 		(*RecoveryServerMessage_Result)(nil),
+		(*RecoveryServerMessage_AdmissionChallenge)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -502,7 +638,7 @@ func file_internal_api_berthv1_recovery_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_api_berthv1_recovery_proto_rawDesc), len(file_internal_api_berthv1_recovery_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -30,8 +30,12 @@ const (
 // its TPM nor with a rejoin ticket: a cleared or replaced TPM, no control-plane node left, an image outside
 // the sealed set. An operator who holds the cluster's root key gives the node its disk key back.
 //
-// The node proves itself exactly as to the init client: the operator names the PCRs, the node quotes them
-// over this connection's TLS exporter value and proves its attestation key by credential activation. Only
+// First the operator proves that it holds the node's disk key, without sending it: after the hello, the node
+// names its disk (RecoveryAdmissionChallenge) and the operator answers a proof bound to this connection
+// (RecoveryAdmissionProof), which the node checks against what its disk's header keeps, before it spends
+// a TPM command. Then the node proves itself exactly as to the init client: the operator names the PCRs, the
+// node quotes them over this connection's TLS exporter value and proves its attestation key by credential
+// activation. Only
 // after the operator's tool has checked the PCRs against the policy does it send the key it derives for the
 // node's disk; the node checks that the key opens its disk before it uses it.
 type RecoveryServiceClient interface {
@@ -67,8 +71,12 @@ type RecoveryService_RecoverClient = grpc.BidiStreamingClient[RecoveryClientMess
 // its TPM nor with a rejoin ticket: a cleared or replaced TPM, no control-plane node left, an image outside
 // the sealed set. An operator who holds the cluster's root key gives the node its disk key back.
 //
-// The node proves itself exactly as to the init client: the operator names the PCRs, the node quotes them
-// over this connection's TLS exporter value and proves its attestation key by credential activation. Only
+// First the operator proves that it holds the node's disk key, without sending it: after the hello, the node
+// names its disk (RecoveryAdmissionChallenge) and the operator answers a proof bound to this connection
+// (RecoveryAdmissionProof), which the node checks against what its disk's header keeps, before it spends
+// a TPM command. Then the node proves itself exactly as to the init client: the operator names the PCRs, the
+// node quotes them over this connection's TLS exporter value and proves its attestation key by credential
+// activation. Only
 // after the operator's tool has checked the PCRs against the policy does it send the key it derives for the
 // node's disk; the node checks that the key opens its disk before it uses it.
 type RecoveryServiceServer interface {

@@ -76,7 +76,7 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 	log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", disk)
 	// Until a ticket comes, an operator may give the key back (berth-agent recover): when no join service
 	// can help, that is the way back.
-	rec, stop, err := a.startRecoveryServer(prover, self, disk, log)
+	rec, stop, err := a.startRecoveryServer(ctx, prover, self, disk, log)
 	if err != nil {
 		return nil, false, err
 	}
@@ -114,9 +114,16 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 }
 
 // startRecoveryServer serves RecoveryService on the init server's address, for a keyed disk's boot.
-func (a *Agent) startRecoveryServer(prover Prover, self *metadata.Self, disk string, log *slog.Logger) (*recoveryserver.Server, func(), error) {
+func (a *Agent) startRecoveryServer(ctx context.Context, prover Prover, self *metadata.Self, disk string, log *slog.Logger) (*recoveryserver.Server, func(), error) {
+	admission, err := a.disk.RecoveryAdmissionKey(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("recovery server: %w", err)
+	}
+	if admission == nil {
+		log.Warn("the state disk keeps no recovery admission key (its keying was interrupted): the recovery server quotes for anyone who says hello", "disk", disk)
+	}
 	srv, err := recoveryserver.New(recoveryserver.Config{Prover: prover, Disk: unlockingDisk{a}, DiskUUID: disk,
-		Self: &self.Instance, Logger: log.With("component", "recovery")})
+		AdmissionKey: admission, Self: &self.Instance, Logger: log.With("component", "recovery")})
 	if err != nil {
 		return nil, nil, err
 	}

@@ -127,7 +127,8 @@ func (cfg *Config) check() (*clustersecrets.Secrets, error) {
 
 type stream = grpc.BidiStreamingClient[berthv1.RecoveryClientMessage, berthv1.RecoveryServerMessage]
 
-// run is the exchange: hello, evidence, policy check, challenge, proof, key, result.
+// run is the exchange: hello, admission challenge and proof, evidence, policy check, challenge, proof, key,
+// result.
 func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) {
 	nonce, err := rpc.StreamNonce(st.Context())
 	if err != nil {
@@ -143,13 +144,27 @@ func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) 
 	}
 	msg, err := st.Recv()
 	if err != nil {
-		return nil, fmt.Errorf("receiving evidence: %w", err)
+		return nil, fmt.Errorf("receiving the node's admission challenge: %w", err)
+	}
+	// A node whose disk keeps no admission key answers the hello with evidence at once.
+	challenged := ""
+	if c := msg.GetAdmissionChallenge(); c != nil {
+		challenged = c.GetDiskUuid()
+		if err := prove(st, secrets, challenged, nonce); err != nil {
+			return &Node{Disk: challenged}, err
+		}
+		if msg, err = st.Recv(); err != nil {
+			return &Node{Disk: challenged}, fmt.Errorf("receiving evidence: %w", err)
+		}
 	}
 	ev := msg.GetEvidence()
 	if ev == nil || ev.Evidence == nil {
-		return nil, errors.New("the node answered the hello without evidence")
+		return nil, errors.New("the node answered without evidence")
 	}
 	node := &Node{Name: ev.NodeName, Role: ev.Role, Disk: ev.DiskUuid}
+	if challenged != "" && ev.DiskUuid != challenged {
+		return node, fmt.Errorf("the node named disk %s in its challenge and %s with its evidence", challenged, ev.DiskUuid)
+	}
 	label, err := keys.DiskLabel(ev.DiskUuid)
 	if err != nil {
 		return node, fmt.Errorf("the node's disk: %w", err)
@@ -198,6 +213,28 @@ func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) 
 		return node, fmt.Errorf("unexpected message %T from the node", msg.Msg)
 	}
 	return node, nil
+}
+
+// prove answers the node's admission challenge for disk: the proof, over this connection's nonce, of the
+// disk's key as the cluster's secrets derive it.
+func prove(st stream, secrets *clustersecrets.Secrets, disk string, nonce []byte) error {
+	label, err := keys.DiskLabel(disk)
+	if err != nil {
+		return fmt.Errorf("the node's disk: %w", err)
+	}
+	key, err := keys.Derive(secrets.MasterSecret, secrets.Salt, label, keys.DiskKeySize)
+	if err != nil {
+		return err
+	}
+	admission, err := keys.RecoveryAdmissionKey(key)
+	if err != nil {
+		return err
+	}
+	proof := &berthv1.RecoveryAdmissionProof{Mac: keys.AdmissionProof(admission, nonce)}
+	if err := send(st, &berthv1.RecoveryClientMessage{Msg: &berthv1.RecoveryClientMessage_AdmissionProof{AdmissionProof: proof}}); err != nil {
+		return fmt.Errorf("sending the proof of the disk key: %w", err)
+	}
+	return nil
 }
 
 // send sends m; when the node has already ended the stream, Send says only io.EOF, and the node's status

@@ -1,14 +1,18 @@
 // Package recoveryserver gives a node its disk key back from an operator who holds the cluster's root key,
 // when nothing else can: see the RecoveryService in internal/api/berthv1/recovery.proto for the exchange.
 //
-// The server sends what anyone may know (its evidence, its disk's UUID, its name and role) and accepts one
-// thing: a key, which it uses only if it opens the node's disk. A wrong key costs nothing but an error; the
-// disk is never changed by one. One exchange runs at a time, each bounded in time, and the server stops
-// once a key has opened the disk.
+// Before anything else the client proves that it holds the disk's key: the server names its disk, the client
+// answers an HMAC of the connection's nonce keyed with the disk's recovery admission key, and the server
+// checks it against the admission key the disk's header keeps (statedisk). A stranger costs a connection for
+// seconds and never a TPM command or the slot. Then the server sends what anyone may know (its evidence, its
+// disk's UUID, its name and role) and accepts one thing: a key, which it uses only if it opens the node's
+// disk. A wrong key costs nothing but an error; the disk is never changed by one. One exchange runs at a
+// time, each bounded in time, and the server stops once a key has opened the disk.
 package recoveryserver
 
 import (
 	"context"
+	"crypto/hmac"
 	"errors"
 	"log/slog"
 	"sync"
@@ -19,6 +23,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -44,14 +49,18 @@ const DefaultTimeout = time.Minute
 // "busy" and asks again.
 const slotWait = 10 * time.Second
 
-// Config wires a Server; Timeout, Logger are optional.
+// Config wires a Server; AdmissionKey, Timeout and Logger are optional.
 type Config struct {
 	Prover   Prover
 	Disk     Disk
 	DiskUUID string
-	Self     *metadata.Instance
-	Timeout  time.Duration
-	Logger   *slog.Logger
+	// AdmissionKey is the disk's recovery admission key (keys.RecoveryAdmissionKey of its key), which
+	// clients must prove they hold before the node quotes. Without one (a disk whose keying was interrupted
+	// before it was stored) the server quotes for anyone who says hello.
+	AdmissionKey []byte
+	Self         *metadata.Instance
+	Timeout      time.Duration
+	Logger       *slog.Logger
 }
 
 // Server implements berthv1.RecoveryServiceServer.
@@ -96,8 +105,8 @@ func (s *Server) Key() []byte {
 func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
 	ctx, cancel := context.WithTimeout(st.Context(), s.cfg.Timeout)
 	defer cancel()
-	// As on the init server: the slot only for a stream that said hello at once, each later answer
-	// within rpc.StepTimeout.
+	// As on the init server: the slot only for a stream that said hello at once and proved the disk key,
+	// each later answer within rpc.StepTimeout.
 	hello, err := rpc.RecvWithin(ctx, st, rpc.FirstMessageTimeout)
 	if err != nil {
 		return recvErr("hello", err)
@@ -105,14 +114,18 @@ func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
 	if hello.GetHello() == nil {
 		return status.Error(codes.InvalidArgument, "expected a hello")
 	}
-	if !s.slot.Take(ctx, slotWait) {
-		return rpc.ErrBusy
-	}
-	defer s.slot.Release()
 	log := s.cfg.Logger
 	if addr, err := rpc.PeerAddr(ctx); err == nil {
 		log = log.With("peer", addr.String())
 	}
+	if err := s.admit(ctx, st); err != nil {
+		log.Warn("recovery refused before any TPM command", "reason", err)
+		return err
+	}
+	if !s.slot.Take(ctx, slotWait) {
+		return rpc.ErrBusy
+	}
+	defer s.slot.Release()
 	key, err := s.exchange(ctx, st, hello)
 	if err != nil {
 		log.Warn("recovery refused", "reason", err)
@@ -132,6 +145,33 @@ func (s *Server) Recover(st berthv1.RecoveryService_RecoverServer) error {
 	})
 	log.Info("state disk recovered by the operator", "disk", s.cfg.DiskUUID)
 	return st.Send(&berthv1.RecoveryServerMessage{Msg: &berthv1.RecoveryServerMessage_Result{Result: &berthv1.RecoveryResult{}}})
+}
+
+// admit names the disk and checks the client's proof that it holds the disk's key; it lets everyone in when
+// the disk keeps no admission key.
+func (s *Server) admit(ctx context.Context, st berthv1.RecoveryService_RecoverServer) error {
+	if s.cfg.AdmissionKey == nil {
+		return nil
+	}
+	nonce, err := rpc.StreamNonce(ctx)
+	if err != nil {
+		return status.Error(codes.FailedPrecondition, err.Error())
+	}
+	if err := st.Send(&berthv1.RecoveryServerMessage{Msg: &berthv1.RecoveryServerMessage_AdmissionChallenge{
+		AdmissionChallenge: &berthv1.RecoveryAdmissionChallenge{DiskUuid: s.cfg.DiskUUID}}}); err != nil {
+		return err
+	}
+	msg, err := rpc.RecvWithin(ctx, st, rpc.StepTimeout)
+	if err != nil {
+		return recvErr("admission proof", err)
+	}
+	if msg.GetAdmissionProof() == nil {
+		return status.Error(codes.InvalidArgument, "expected the proof of the disk key")
+	}
+	if !hmac.Equal(msg.GetAdmissionProof().GetMac(), keys.AdmissionProof(s.cfg.AdmissionKey, nonce)) {
+		return status.Error(codes.PermissionDenied, "the proof is not of this node's disk key: was it derived from this cluster's root key?")
+	}
+	return nil
 }
 
 // exchange attests the node to the client and returns the key the client sent.

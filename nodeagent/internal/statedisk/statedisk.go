@@ -208,7 +208,8 @@ func (d *Disk) SetKey(ctx context.Context, initial, key []byte) error {
 	return d.converge(ctx, key, slot)
 }
 
-// converge labels the volume keyed and wipes every keyslot but slot, which key is known to open.
+// converge labels the volume keyed, wipes every keyslot but slot, which key is known to open, and stores
+// key's recovery admission key.
 func (d *Disk) converge(ctx context.Context, key []byte, slot int) error {
 	label, err := d.vol.Label(ctx)
 	if err != nil {
@@ -236,12 +237,15 @@ func (d *Disk) converge(ctx context.Context, key []byte, slot int) error {
 		}
 		removed++
 	}
-	d.logger.Info("state disk key set", "device", d.vol.Path(), "slot", slot, "removed_slots", removed)
 	if removed > 0 {
 		if err := d.step(StepOldKeyRemoved); err != nil {
 			return err
 		}
 	}
+	if err := d.storeAdmissionKey(ctx, key); err != nil {
+		return fmt.Errorf("setting the state disk key: %w", err)
+	}
+	d.logger.Info("state disk key set", "device", d.vol.Path(), "slot", slot, "removed_slots", removed)
 	return nil
 }
 

@@ -17,6 +17,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/luks"
 )
 
@@ -170,6 +171,19 @@ func (n *node) checkConverged() {
 		if s, err := n.vol.KeySlot(ctx, k); !errors.Is(err, luks.ErrWrongKey) {
 			n.t.Errorf("initial key %d: KeySlot = %d, %v; want ErrWrongKey", i, s, err)
 		}
+	}
+	// The header holds one admission token, of the derived key.
+	tokens, err := n.vol.Tokens(ctx, AdmissionTokenType)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	want, err := keys.RecoveryAdmissionKey(n.derive(id))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	got, err := New(n.vol, nil).RecoveryAdmissionKey(ctx)
+	if len(tokens) != 1 || err != nil || !bytes.Equal(got, want) {
+		n.t.Errorf("%d admission tokens, admission key %x (%v); want one, %x", len(tokens), got, err, want)
 	}
 }
 
@@ -638,4 +652,33 @@ func compact(t *testing.T, data []byte) string {
 		t.Fatal(err)
 	}
 	return b.String()
+}
+
+// A disk's admission key follows its key: storing another replaces it, storing the same one changes nothing.
+func TestStoreAdmissionKeyReplaces(t *testing.T) {
+	t.Parallel()
+	n := newNode(t)
+	ctx := t.Context()
+	if err := n.boot(nil); err != nil {
+		t.Fatal(err)
+	}
+	d := n.disk(nil)
+	other := randomKey(t)
+	if err := d.storeAdmissionKey(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	want, err := keys.RecoveryAdmissionKey(other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens, err := n.vol.Tokens(ctx, AdmissionTokenType)
+	if got, _ := d.RecoveryAdmissionKey(ctx); err != nil || len(tokens) != 1 || !bytes.Equal(got, want) {
+		t.Fatalf("after storing another key's: %d tokens (%v), admission key %x, want one, %x", len(tokens), err, got, want)
+	}
+	if err := d.storeAdmissionKey(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	if again, err := n.vol.Tokens(ctx, AdmissionTokenType); err != nil || len(again) != 1 || again[0].ID != tokens[0].ID {
+		t.Fatalf("storing the same admission key again: tokens %v (%v), want token %d alone", again, err, tokens[0].ID)
+	}
 }
