@@ -9,7 +9,6 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"unicode"
@@ -182,48 +181,6 @@ func checkCmdline(line string) error {
 		}
 	}
 	return nil
-}
-
-// The root the verified root's initrd opens, and the reboot delay a command line without panic= gets.
-const (
-	verifiedRootDevice = "/dev/mapper/berth-root"
-	verifiedPanic      = "panic=30"
-)
-
-// verifiedRootRecord is seal's record: partition UUID, data blocks, hash offset, root hash and salt.
-var verifiedRootRecord = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}:[1-9][0-9]*:[1-9][0-9]*:[0-9a-f]{64}:[0-9a-f]{64}$`)
-
-// verifiedCmdline is line with its root items (root=, rootfstype=, rootflags=, ro, rw) replaced by the
-// verified root's, and berth.verity= with seal's record. Without panic=, it gets one: the initrd then reboots
-// instead of offering a shell on the console when the root does not open, and the kernel reboots after a
-// block failed verification, instead of halting; a shell would run with the image's measurements.
-func verifiedCmdline(line, record string) (string, error) {
-	record = strings.TrimSpace(record)
-	if !verifiedRootRecord.MatchString(record) {
-		return "", fmt.Errorf("the verified root's record %q is not <partition UUID>:<data blocks>:<hash offset>:<sha256 root hash>:<salt>", record)
-	}
-	var kept, initArgs []string
-	panicSet := false
-	items := strings.Fields(line)
-	// What follows -- is init's, not the kernel's: the root's items go before it.
-	if i := slices.Index(items, "--"); i >= 0 {
-		items, initArgs = items[:i], items[i:]
-	}
-	for _, item := range items {
-		switch {
-		case item == "ro" || item == "rw" || strings.HasPrefix(item, "root=") || strings.HasPrefix(item, "rootfstype=") ||
-			strings.HasPrefix(item, "rootflags=") || strings.HasPrefix(item, "berth.verity="):
-			continue
-		case strings.HasPrefix(item, "panic="):
-			panicSet = true
-		}
-		kept = append(kept, item)
-	}
-	kept = append(kept, "root="+verifiedRootDevice, "rootfstype=erofs", "ro", "berth.verity="+record)
-	if !panicSet {
-		kept = append(kept, verifiedPanic)
-	}
-	return strings.Join(append(kept, initArgs...), " "), nil
 }
 
 // executeCommand is execute_command with the path of the script called name.

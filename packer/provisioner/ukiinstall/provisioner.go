@@ -35,6 +35,7 @@ import (
 	"github.com/berthlabs/berth/internal/measure"
 	ukiimage "github.com/berthlabs/berth/internal/uki"
 	"github.com/berthlabs/berth/packer/internal/remote"
+	"github.com/berthlabs/berth/packer/internal/verity"
 )
 
 // Provisioner is berth-uki-install.
@@ -115,7 +116,7 @@ func (p *Provisioner) provision(ctx context.Context, ui packersdk.Ui, comm packe
 			return fmt.Errorf("downloading the verified root's record: %w", err)
 		}
 		var err error
-		if cmdline, err = verifiedCmdline(cmdline, record.String()); err != nil {
+		if cmdline, err = verity.Cmdline(cmdline, record.String()); err != nil {
 			return err
 		}
 		ui.Say(fmt.Sprintf("Wrote the verified root in %.0fs", time.Since(start).Seconds()))

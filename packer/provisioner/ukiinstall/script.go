@@ -1,11 +1,11 @@
 package ukiinstall
 
 import (
-	_ "embed"
 	"fmt"
 	"strings"
 
 	"github.com/berthlabs/berth/packer/internal/remote"
+	"github.com/berthlabs/berth/packer/internal/verity"
 )
 
 // Names of the scripts and of the files in the staging directory.
@@ -100,17 +100,6 @@ const (
 	stagedVerity  = "verity"
 )
 
-// The initramfs-tools pieces that open a verified root (initramfs/*): installed on the machine by
-// prepareScript, built into the initrd the UKI embeds.
-var (
-	//go:embed initramfs/hook
-	initramfsHook string
-	//go:embed initramfs/local-top
-	initramfsLocalTop string
-	//go:embed initramfs/init-bottom
-	initramfsInitBottom string
-)
-
 // verityTools are what the verified root's scripts run, each with the Debian package that has it.
 var verityTools = [][2]string{
 	{"veritysetup", "cryptsetup-bin"}, {"mkfs.erofs", "erofs-utils"}, {"mkfs.vfat", "dosfstools"},
@@ -119,13 +108,12 @@ var verityTools = [][2]string{
 	{"od", "coreutils"},
 }
 
-// prepare is the script that, for a verified root, checks the tools and the device, teaches the machine's
-// initramfs-tools to open the root through dm-verity and rebuilds its initrds (which collect then fetches),
-// and drops the fstab entries of the build machine's own root and ESP, which the image does not have.
+// prepare is the script that, for a verified root, checks the tools and the device, then runs
+// verity.InitrdScript: the machine's initrds (which collect then fetches) learn to open the root.
 func (c *Config) prepare() string {
 	var b strings.Builder
 	b.WriteString("#!/bin/sh\n# Written by the berth-uki-install provisioner of packer-plugin-berth.\nset -eu\n")
-	fmt.Fprintf(&b, "device=%s\nesp=%s\n", remote.Quote(c.VerifiedRoot.Device), remote.Quote(c.ESP))
+	fmt.Fprintf(&b, "device=%s\n", remote.Quote(c.VerifiedRoot.Device))
 	b.WriteString(`fail() { echo "berth-uki-install: $*" >&2; exit 1; }
 export PATH="$PATH:/usr/sbin:/sbin"
 `)
@@ -149,23 +137,8 @@ if lsblk -no MOUNTPOINT "$dev" | grep -q .; then
 fi
 echo "verified root: the image goes on $dev ($(($(blockdev --getsize64 "$dev") >> 20)) MiB)"
 
-install -d /etc/initramfs-tools/hooks /etc/initramfs-tools/scripts/local-top /etc/initramfs-tools/scripts/init-bottom
 `)
-	for _, f := range []struct{ path, content string }{
-		{"/etc/initramfs-tools/hooks/berth-verity", initramfsHook},
-		{"/etc/initramfs-tools/scripts/local-top/berth-verity", initramfsLocalTop},
-		{"/etc/initramfs-tools/scripts/init-bottom/berth-verity", initramfsInitBottom},
-	} {
-		fmt.Fprintf(&b, "cat >%s <<'BERTH_EOF'\n%sBERTH_EOF\nchmod 0755 %[1]s\n", f.path, f.content)
-	}
-	b.WriteString(`update-initramfs -u -k all
-
-# The image has neither the build machine's root nor its ESP: systemd would wait for them and stop in
-# emergency mode.
-awk -v esp="$esp" '/^[[:space:]]*(#|$)/ || ($2 != "/" && $2 != esp)' /etc/fstab >/etc/fstab.berth
-cat /etc/fstab.berth >/etc/fstab
-rm -f /etc/fstab.berth
-`)
+	b.WriteString(verity.InitrdScript(c.ESP))
 	return b.String()
 }
 
