@@ -22,6 +22,7 @@ import (
 
 	ukiimage "github.com/berthlabs/berth/internal/uki"
 	"github.com/berthlabs/berth/packer/internal/chroot"
+	"github.com/berthlabs/berth/packer/internal/verity"
 )
 
 // BuilderID identifies the builder's artifacts.
@@ -66,11 +67,19 @@ func (b *Builder) Run(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook)
 
 func (b *Builder) build(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, art *Artifact) error {
 	c := &b.config
-	var entries []ukiimage.Entry
-	var err error
+	var r fromRoot
+	cmdline := c.Cmdline
 	if c.RootDirectory != "" {
-		if entries, err = b.provisionRoot(ctx, ui, hook, filepath.Join(c.OutputDirectory, "root")); err != nil {
+		var err error
+		if r, err = b.root(ctx, ui, hook, filepath.Join(c.OutputDirectory, "root"), filepath.Join(c.OutputDirectory, "root.img")); err != nil {
 			return err
+		}
+		if r.partition != nil {
+			defer os.Remove(r.partition.image)
+			if cmdline, err = verity.Cmdline(c.Cmdline, r.partition.record); err != nil {
+				return err
+			}
+			ui.Say("Command line embedded in the UKI: " + cmdline)
 		}
 	} else {
 		// Packer runs provisioners only through the hook: with no root to provision, they get no
@@ -78,32 +87,39 @@ func (b *Builder) build(ctx context.Context, ui packersdk.Ui, hook packersdk.Hoo
 		if err := hook.Run(ctx, packersdk.HookProvision, ui, nil, nil); err != nil {
 			return err
 		}
-		if entries, err = b.fileEntries(); err != nil {
+		var err error
+		if r.entries, err = b.fileEntries(); err != nil {
 			return err
 		}
 	}
 	start := time.Now()
-	initrd, err := b.initrd(entries)
-	if err != nil {
-		return err
-	}
-	if len(initrd) > 0 {
-		what := fmt.Sprintf("initrd_files (%d)", len(c.InitrdFiles))
-		if c.RootDirectory != "" {
-			what = fmt.Sprintf("the provisioned root (%d entries)", len(entries))
+	initrd := r.initrd
+	if initrd == nil {
+		var err error
+		if initrd, err = b.initrd(r.entries); err != nil {
+			return err
 		}
-		ui.Say(fmt.Sprintf("Made the initrd: a cpio archive of %s and initrd_append (%d), %s in %.2fs",
-			what, len(c.InitrdAppend), mib(int64(len(initrd))), time.Since(start).Seconds()))
+		if len(initrd) > 0 {
+			what := fmt.Sprintf("initrd_files (%d)", len(c.InitrdFiles))
+			if c.RootDirectory != "" {
+				what = fmt.Sprintf("the provisioned root (%d entries)", len(r.entries))
+			}
+			ui.Say(fmt.Sprintf("Made the initrd: a cpio archive of %s and initrd_append (%d), %s in %.2fs",
+				what, len(c.InitrdAppend), mib(int64(len(initrd))), time.Since(start).Seconds()))
+		}
 	}
 
 	start = time.Now()
-	kernel, err := os.ReadFile(c.Kernel)
-	if err != nil {
-		return fmt.Errorf("reading the kernel: %w", err)
+	kernel := r.kernel
+	if kernel == nil {
+		var err error
+		if kernel, err = os.ReadFile(c.Kernel); err != nil {
+			return fmt.Errorf("reading the kernel: %w", err)
+		}
 	}
 	sections := []ukiimage.Section{
 		{Name: ".osrel", Data: []byte(c.OSRelease)},
-		{Name: ".cmdline", Data: []byte(c.Cmdline)},
+		{Name: ".cmdline", Data: []byte(cmdline)},
 		{Name: ".linux", Data: kernel},
 	}
 	if len(initrd) > 0 {
@@ -119,15 +135,18 @@ func (b *Builder) build(ctx context.Context, ui packersdk.Ui, hook packersdk.Hoo
 	ui.Say(fmt.Sprintf("Assembled the UKI %s: %s in %.2fs", art.efi, mib(fi.Size()), time.Since(start).Seconds()))
 
 	start = time.Now()
-	diskSize := b.config.diskSize
-	if diskSize == 0 {
-		diskSize = max(DefaultDiskSize, minDiskSize(fi.Size()))
+	layout, err := newLayout(fi.Size(), r.partition, c.diskSize)
+	if err != nil {
+		return err
 	}
-	if err := makeDisk(ctx, art.raw, art.efi, diskSize); err != nil {
+	if err := makeDisk(ctx, art.raw, art.efi, layout); err != nil {
 		return fmt.Errorf("making the disk: %w", err)
 	}
-	ui.Say(fmt.Sprintf("Made the disk %s: %s, the UKI at EFI/BOOT/BOOTX64.EFI on its EFI system partition, in %.2fs",
-		art.raw, mib(diskSize), time.Since(start).Seconds()))
+	what := "the UKI at EFI/BOOT/BOOTX64.EFI on its EFI system partition"
+	if r.partition != nil {
+		what += ", the verified root on the second partition"
+	}
+	ui.Say(fmt.Sprintf("Made the disk %s: %s, %s, in %.2fs", art.raw, mib(layout.size), what, time.Since(start).Seconds()))
 	return nil
 }
 
@@ -144,27 +163,54 @@ func (b *Builder) fileEntries() ([]ukiimage.Entry, error) {
 	return entries, nil
 }
 
-// provisionRoot copies root_directory to dir, writes initrd_files into it, runs the provisioners in a
-// chroot of it and returns it as archive entries; dir is removed afterwards.
-func (b *Builder) provisionRoot(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, dir string) ([]ukiimage.Entry, error) {
+// fromRoot is what the build takes from the provisioned root: the archive entries of the initrd, or with
+// verified_root the root's kernel and initrd and its partition.
+type fromRoot struct {
+	entries        []ukiimage.Entry
+	kernel, initrd []byte
+	partition      *rootPartition
+}
+
+// root provisions a copy of root_directory at dir and returns what the build takes from it, the verified
+// root's partition written to image; dir is removed afterwards.
+func (b *Builder) root(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, dir, image string) (fromRoot, error) {
+	defer os.RemoveAll(dir)
+	if err := b.provisionRoot(ctx, ui, hook, dir); err != nil {
+		return fromRoot{}, err
+	}
+	if !b.config.VerifiedRoot {
+		entries, err := ukiimage.TreeEntries(dir)
+		return fromRoot{entries: entries}, err
+	}
+	kernel, initrd, err := prepareVerifiedRoot(ctx, ui, dir)
+	if err != nil {
+		return fromRoot{}, err
+	}
+	p, err := sealRoot(ctx, ui, dir, image)
+	if err != nil {
+		os.Remove(image)
+		return fromRoot{}, err
+	}
+	return fromRoot{kernel: kernel, initrd: initrd, partition: p}, nil
+}
+
+// provisionRoot copies root_directory to dir, writes initrd_files into it and runs the provisioners in a
+// chroot of it.
+func (b *Builder) provisionRoot(ctx context.Context, ui packersdk.Ui, hook packersdk.Hook, dir string) error {
 	c := &b.config
 	start := time.Now()
 	// cp -a keeps links, modes and owners, which provisioners in the chroot may depend on.
 	if out, err := exec.CommandContext(ctx, "cp", "-a", "--", filepath.Clean(c.RootDirectory)+"/.", dir).CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("copying root_directory %s: %v: %s", c.RootDirectory, err, bytes.TrimSpace(out))
+		return fmt.Errorf("copying root_directory %s: %v: %s", c.RootDirectory, err, bytes.TrimSpace(out))
 	}
-	defer os.RemoveAll(dir)
 	for i, f := range c.InitrdFiles {
 		if err := writeInto(dir, f.Source, f.Destination, b.config.modes[i]); err != nil {
-			return nil, fmt.Errorf("initrd_files[%d]: %w", i, err)
+			return fmt.Errorf("initrd_files[%d]: %w", i, err)
 		}
 	}
 	ui.Say(fmt.Sprintf("Copied root_directory %s and %d initrd_files in %.2fs; provisioning in a chroot of the copy",
 		c.RootDirectory, len(c.InitrdFiles), time.Since(start).Seconds()))
-	if err := hook.Run(ctx, packersdk.HookProvision, ui, &chroot.Communicator{Root: dir}, nil); err != nil {
-		return nil, err
-	}
-	return ukiimage.TreeEntries(dir)
+	return hook.Run(ctx, packersdk.HookProvision, ui, &chroot.Communicator{Root: dir}, nil)
 }
 
 // writeInto copies the file src to dest in the tree at dir, making the directories on the way (0755) and

@@ -5,10 +5,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	packersdk "github.com/hashicorp/packer-plugin-sdk/packer"
 )
 
 func TestPrepare(t *testing.T) {
@@ -59,6 +62,13 @@ func TestPrepare(t *testing.T) {
 			"initrd_append[1]: stat"},
 		{"missing root directory", valid(map[string]any{"root_directory": filepath.Join(dir, "nope")}), "root_directory: stat"},
 		{"root directory is a file", valid(map[string]any{"root_directory": file}), "is not a directory"},
+		{"verified root", valid(map[string]any{"verified_root": true, "kernel": "", "root_directory": existing}), ""},
+		{"verified root with a kernel", valid(map[string]any{"verified_root": true, "root_directory": existing}),
+			"kernel: verified_root boots the root's own kernel"},
+		{"verified root without a root", valid(map[string]any{"verified_root": true, "kernel": ""}), "verified_root needs root_directory"},
+		{"verified root with initrd_append", valid(map[string]any{"verified_root": true, "kernel": "", "root_directory": existing,
+			"initrd_append": []string{file}}), "initrd_append: verified_root boots the root's own initrd"},
+		{"no kernel without a verified root", valid(map[string]any{"kernel": ""}), "kernel is required"},
 		{"bad disk size", valid(map[string]any{"disk_size": "64X"}), `disk_size: "64X"`},
 		{"negative disk size", valid(map[string]any{"disk_size": "-1M"}), `disk_size: "-1M"`},
 		{"existing output directory", valid(map[string]any{"output_directory": existing}), "exists: remove it, or run packer build -force"},
@@ -161,7 +171,11 @@ func TestDiskReproducible(t *testing.T) {
 			time.Sleep(2100 * time.Millisecond) // FAT stores times to two seconds
 		}
 		raw := filepath.Join(dir, fmt.Sprintf("disk%d.raw", i))
-		if err := makeDisk(context.Background(), raw, uki, DefaultDiskSize); err != nil {
+		l, err := newLayout(1_000_000, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := makeDisk(context.Background(), raw, uki, l); err != nil {
 			t.Fatal(err)
 		}
 		data, err := os.ReadFile(raw)
@@ -173,8 +187,122 @@ func TestDiskReproducible(t *testing.T) {
 	if !bytes.Equal(disks[0], disks[1]) {
 		t.Error("the same UKI made two different disks")
 	}
-	start, sectors, err := espExtent(context.Background(), filepath.Join(dir, "disk0.raw"))
-	if err != nil || start != 2048 || sectors <= 0 {
-		t.Errorf("ESP at sector %d, %d sectors (%v); want it at 2048", start, sectors, err)
+	parts, err := partitions(context.Background(), filepath.Join(dir, "disk0.raw"), espType)
+	if err != nil || parts[0].start != 2048 || parts[0].sectors <= 0 {
+		t.Errorf("ESP at %+v (%v); want it at sector 2048", parts, err)
+	}
+}
+
+// TestDiskWithVerifiedRoot seals a small root with the real mkfs.erofs and veritysetup, lays out a disk with
+// it, and checks that the disk's second partition is the root's image, that veritysetup verifies that
+// partition with nothing but the record the command line gets, and refuses it once one byte changed.
+func TestDiskWithVerifiedRoot(t *testing.T) {
+	for _, tool := range []string{"mkfs.erofs", "veritysetup", "sfdisk", "mkfs.vfat", "mcopy"} {
+		if _, err := lookTool(tool); err != nil {
+			t.Skipf("%v: make deps installs it", err)
+		}
+	}
+	dir := t.TempDir()
+	tree := filepath.Join(dir, "root")
+	for name, data := range map[string]string{"etc/os-release": "ID=debian\n", "usr/bin/kubelet": strings.Repeat("kubelet ", 200_000), "tmp/build-only": "x"} {
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(tree, name)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(tree, name), []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	root, err := sealRoot(ctx, packersdk.TestUi(t), tree, filepath.Join(dir, "root.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	uki := filepath.Join(dir, "berth.efi")
+	if err := os.WriteFile(uki, bytes.Repeat([]byte("berth uki "), 100_000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newLayout(1_000_000, root, 64<<20); err == nil || !strings.Contains(err.Error(), "and the verified root") {
+		t.Errorf("a 64 MiB disk for an ESP of 64 MiB and a root: %v, want it refused", err)
+	}
+	l, err := newLayout(1_000_000, root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := filepath.Join(dir, "berth.raw")
+	if err := makeDisk(ctx, raw, uki, l); err != nil {
+		t.Fatal(err)
+	}
+	parts, err := partitions(ctx, raw, espType, rootType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if parts[0].start != 2048 || parts[0].sectors*512 != imageESPSize {
+		t.Errorf("ESP at %+v, want sector 2048 and %d bytes", parts[0], imageESPSize)
+	}
+	image, err := os.ReadFile(root.image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	disk, err := os.ReadFile(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	part := disk[parts[1].start*512 : (parts[1].start+parts[1].sectors)*512]
+	if !bytes.Equal(part[:len(image)], image) {
+		t.Fatal("the root's partition does not start with the root's image")
+	}
+	out, err := exec.Command("sfdisk", "--part-uuid", raw, "2").Output()
+	if err != nil || !strings.EqualFold(strings.TrimSpace(string(out)), root.uuid) {
+		t.Errorf("partition 2's UUID is %q (%v), want %s", out, err, root.uuid)
+	}
+
+	// The record as the initrd's local-top reads it.
+	fields := strings.Split(root.record, ":")
+	if len(fields) != 5 || !strings.EqualFold(fields[0], root.uuid) {
+		t.Fatalf("record %q does not name the partition %s", root.record, root.uuid)
+	}
+	verify := func(p []byte) error {
+		f := filepath.Join(dir, "part")
+		if err := os.WriteFile(f, p, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.Command("veritysetup", "verify", f, f, fields[3], "--no-superblock", "--data-blocks="+fields[1],
+			"--hash-offset="+fields[2], "--salt="+fields[4]).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	}
+	if err := verify(part); err != nil {
+		t.Errorf("veritysetup verify of the root's partition with the record: %v", err)
+	}
+	changed := bytes.Clone(part)
+	changed[len(image)/3] ^= 1
+	if err := verify(changed); err == nil {
+		t.Error("veritysetup verified the root's partition with one byte changed")
+	}
+	// The build's own files in /tmp are no part of the image.
+	extract := filepath.Join(dir, "extract")
+	if out, err := exec.Command("fsck.erofs", "--extract="+extract, root.image).CombinedOutput(); err != nil {
+		t.Fatalf("fsck.erofs --extract: %v: %s", err, out)
+	}
+	if data, err := os.ReadFile(filepath.Join(extract, "etc/os-release")); err != nil || string(data) != "ID=debian\n" {
+		t.Errorf("the root's image holds etc/os-release = %q (%v)", data, err)
+	}
+	if _, err := os.Stat(filepath.Join(extract, "tmp/build-only")); err == nil {
+		t.Error("the root's image holds what the build left in /tmp")
+	}
+}
+
+func TestErofsBlocksRefusesOtherFiles(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "not-erofs")
+	if err := os.WriteFile(f, make([]byte, 8192), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := erofsBlocks(f); err == nil || !strings.Contains(err.Error(), "no erofs superblock") {
+		t.Errorf("erofsBlocks of zeros: %v, want no erofs superblock", err)
+	}
+	if _, err := erofsBlocks(filepath.Join(t.TempDir(), "missing")); err == nil {
+		t.Error("erofsBlocks of a missing file succeeded")
 	}
 }

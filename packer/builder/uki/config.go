@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -34,8 +35,8 @@ type Config struct {
 
 	// systemd-stub, such as `/usr/lib/systemd/boot/efi/linuxx64.efi.stub` from systemd-boot-efi.
 	Stub string `mapstructure:"stub" required:"true"`
-	// The kernel (vmlinuz) the UKI boots.
-	Kernel string `mapstructure:"kernel" required:"true"`
+	// The kernel (vmlinuz) the UKI boots. Required, unless verified_root boots the root's own.
+	Kernel string `mapstructure:"kernel"`
 	// The kernel command line, embedded in the UKI and so measured.
 	Cmdline string `mapstructure:"cmdline" required:"true"`
 	// Content of the UKI's .osrel section. Defaults to `ID=berth` and `NAME=Berth`.
@@ -45,6 +46,15 @@ type Config struct {
 	// template's provisioners in a chroot of the copy (chroot needs root: run packer build as root), then
 	// archives the copy as the start of the initrd. Without it, provisioners have no machine to reach.
 	RootDirectory string `mapstructure:"root_directory"`
+	// Makes the provisioned root_directory the image's root file system, read-only and verified, instead
+	// of the initrd: the raw disk gets a second partition with the root as erofs (lz4) followed by its
+	// dm-verity hash tree, and the UKI's command line carries the root hash, so that PCR 9 and 11 change
+	// with any byte of the root. After the provisioners, the build teaches the root's initramfs-tools to
+	// open it (packer/internal/verity) and rebuilds its initrd; the UKI boots the root's own kernel
+	// (`/vmlinuz`) and initrd (`/initrd.img`), so root_directory needs a Debian kernel package,
+	// initramfs-tools and cryptsetup-bin (veritysetup), and kernel and initrd_append are left out. This
+	// machine needs mkfs.erofs (erofs-utils) and veritysetup (cryptsetup-bin).
+	VerifiedRoot bool `mapstructure:"verified_root"`
 	// Files put in an uncompressed cpio archive, the start of the initrd; with root_directory, they are
 	// written into its copy, replacing files of the same path.
 	InitrdFiles []InitrdFile `mapstructure:"initrd_files"`
@@ -87,6 +97,12 @@ var tools = [][2]string{
 	{"mcopy", "mtools"},
 }
 
+// verityTools are what verified_root runs besides tools.
+var verityTools = [][2]string{
+	{"mkfs.erofs", "erofs-utils"},
+	{"veritysetup", "cryptsetup-bin"},
+}
+
 // Prepare decodes and checks the configuration, naming every problem at once, and keeps what it derives
 // (modes, disk size) for the build.
 func (c *Config) Prepare(raws ...any) error {
@@ -103,11 +119,26 @@ func (c *Config) Prepare(raws ...any) error {
 	c.OutputDirectory = cmp.Or(c.OutputDirectory, "output-"+c.PackerBuildName)
 
 	var errs []error
-	for _, f := range []struct{ option, path string }{{"stub", c.Stub}, {"kernel", c.Kernel}} {
+	files := []struct{ option, path string }{{"stub", c.Stub}}
+	switch {
+	case !c.VerifiedRoot:
+		files = append(files, struct{ option, path string }{"kernel", c.Kernel})
+	case c.Kernel != "":
+		errs = append(errs, errors.New("kernel: verified_root boots the root's own kernel (/vmlinuz), whose modules and initrd the root has: leave kernel out"))
+	}
+	for _, f := range files {
 		if f.path == "" {
 			errs = append(errs, fmt.Errorf("%s is required", f.option))
 		} else if err := regularFile(f.path); err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", f.option, err))
+		}
+	}
+	if c.VerifiedRoot {
+		if c.RootDirectory == "" {
+			errs = append(errs, errors.New("verified_root needs root_directory: the root file system it makes verified"))
+		}
+		if len(c.InitrdAppend) > 0 {
+			errs = append(errs, errors.New("initrd_append: verified_root boots the root's own initrd, rebuilt to open the verified root: leave initrd_append out"))
 		}
 	}
 	if strings.TrimSpace(c.Cmdline) == "" {
@@ -163,7 +194,11 @@ func (c *Config) Prepare(raws ...any) error {
 	} else if _, err := os.Stat(c.OutputDirectory); err == nil && !c.PackerForce {
 		errs = append(errs, fmt.Errorf("output_directory %s exists: remove it, or run packer build -force to replace it", c.OutputDirectory))
 	}
-	for _, t := range tools {
+	need := tools
+	if c.VerifiedRoot {
+		need = slices.Concat(tools, verityTools)
+	}
+	for _, t := range need {
 		if _, err := lookTool(t[0]); err != nil {
 			errs = append(errs, fmt.Errorf("%s not found: install Debian's %s (make deps)", t[0], t[1]))
 		}

@@ -19,10 +19,11 @@ type FlatConfig struct {
 	PackerUserVars      map[string]string `mapstructure:"packer_user_variables" cty:"packer_user_variables" hcl:"packer_user_variables"`
 	PackerSensitiveVars []string          `mapstructure:"packer_sensitive_variables" cty:"packer_sensitive_variables" hcl:"packer_sensitive_variables"`
 	Stub                *string           `mapstructure:"stub" required:"true" cty:"stub" hcl:"stub"`
-	Kernel              *string           `mapstructure:"kernel" required:"true" cty:"kernel" hcl:"kernel"`
+	Kernel              *string           `mapstructure:"kernel" cty:"kernel" hcl:"kernel"`
 	Cmdline             *string           `mapstructure:"cmdline" required:"true" cty:"cmdline" hcl:"cmdline"`
 	OSRelease           *string           `mapstructure:"os_release" cty:"os_release" hcl:"os_release"`
 	RootDirectory       *string           `mapstructure:"root_directory" cty:"root_directory" hcl:"root_directory"`
+	VerifiedRoot        *bool             `mapstructure:"verified_root" cty:"verified_root" hcl:"verified_root"`
 	InitrdFiles         []FlatInitrdFile  `mapstructure:"initrd_files" cty:"initrd_files" hcl:"initrd_files"`
 	InitrdAppend        []string          `mapstructure:"initrd_append" cty:"initrd_append" hcl:"initrd_append"`
 	OutputDirectory     *string           `mapstructure:"output_directory" cty:"output_directory" hcl:"output_directory"`
@@ -55,6 +56,7 @@ func (*FlatConfig) HCL2Spec() map[string]hcldec.Spec {
 		"cmdline":                    &hcldec.AttrSpec{Name: "cmdline", Type: cty.String, Required: false},
 		"os_release":                 &hcldec.AttrSpec{Name: "os_release", Type: cty.String, Required: false},
 		"root_directory":             &hcldec.AttrSpec{Name: "root_directory", Type: cty.String, Required: false},
+		"verified_root":              &hcldec.AttrSpec{Name: "verified_root", Type: cty.Bool, Required: false},
 		"initrd_files":               &hcldec.BlockListSpec{TypeName: "initrd_files", Nested: hcldec.ObjectSpec((*FlatInitrdFile)(nil).HCL2Spec())},
 		"initrd_append":              &hcldec.AttrSpec{Name: "initrd_append", Type: cty.List(cty.String), Required: false},
 		"output_directory":           &hcldec.AttrSpec{Name: "output_directory", Type: cty.String, Required: false},

@@ -56,7 +56,7 @@ func TestProvisionRoot(t *testing.T) {
 	hook := &provisionHook{t: t}
 	work := filepath.Join(t.TempDir(), "root")
 	start := time.Now()
-	entries, err := b.provisionRoot(context.Background(), packersdk.TestUi(t), hook, work)
+	r, err := b.root(context.Background(), packersdk.TestUi(t), hook, work, filepath.Join(t.TempDir(), "root.img"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func TestProvisionRoot(t *testing.T) {
 		t.Fatalf("provisioners got %T, want the chroot communicator", hook.comm)
 	}
 	byPath := map[string]ukiimage.Entry{}
-	for _, e := range entries {
+	for _, e := range r.entries {
 		byPath[e.Path] = e
 	}
 	for path, want := range map[string]string{"init": "#!/bin/sh\n", "init.seen": "#!/bin/sh\n", "usr/local/bin/agent": "agent", "bin/sh": "busybox"} {
