@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Makes the root file system of the local node image (examples/packer/node.pkr.hcl): what berth-agent needs
-# at boot, taken from Debian's archive, and the kernel modules of the kernel scripts/boot-parts.sh fetched.
+# Makes the root file system of TestMeasuredBootJoin's image (nodeagent/test/e2e/testdata): what berth-agent
+# needs at boot, taken from Debian's archive, and the kernel modules of the kernel scripts/boot-parts.sh
+# fetched.
 #
 #   - mmdebstrap --variant=extract of the packages below and their dependencies, no maintainer scripts run:
 #     busybox-static (sh and the small tools; its applets are linked into /bin and /sbin where no package

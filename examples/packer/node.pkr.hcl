@@ -1,8 +1,22 @@
-# A node image built on this machine from Debian's archive: berth-uki turns a Debian root file system
-# (scripts/guest-root.sh) into the initrd of a unified kernel image, the berth-agent provisioner installs
-# the agent and its configuration into it (in a chroot, as it would over SSH on a cloud builder), and
-# berth-manifest predicts the PCRs its boot measures. Booted under QEMU with OVMF and a swtpm, the agent
-# attests to a join service that knows only berth-image.json: make e2e-measured-boot does exactly that.
+# A Kubernetes node image built on this machine, with no virtual machine and no cloud: berth-uki copies a
+# Debian root file system (root_directory, such as mmdebstrap makes; README.md), and the same provisioners as
+# the cloud templates' work on it in a chroot: berth-agent installs the agent, its unit, agent.yaml, kubeadm
+# and the kubelet; berth-node makes it a node (containerd and the tools kubeadm runs, the kubelet's unit,
+# kernel settings, container images, and nothing of the build's identity). berth-uki's verified_root then
+# makes the root read-only and verified: its initramfs-tools learn to open it through dm-verity, it becomes
+# an erofs file system followed by its hash tree on the disk's second partition, and the UKI (the root's own
+# kernel and initrd, with the root hash on its command line) goes on the first, the ESP. berth-manifest
+# predicts PCR 4, 9, 11 and 12, which cover every byte of the root through the root hash.
+#
+# Boot output-node/berth.raw on any UEFI machine with a TPM 2.0 and a second, blank disk for the node's
+# state: node/agent.yaml names it by its QEMU serial, berth-state.
+#
+#   parts=$(scripts/boot-parts.sh)      # Debian's systemd-stub 252, cached
+#   CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /tmp/berth-agent ./nodeagent/cmd/berth-agent
+#   cd examples/packer && packer init node.pkr.hcl
+#   # kubernetes.pkrvars.hcl: kubernetes_files (kubeadm, kubelet, kubectl with their SHA-256; docs/node-image.md)
+#   sudo packer build -var "stub=$parts/linuxx64.efi.stub" -var root_directory=/srv/node-root \
+#     -var agent_binary=/tmp/berth-agent -var-file=kubernetes.pkrvars.hcl node.pkr.hcl
 
 packer {
   required_plugins {
@@ -15,17 +29,12 @@ packer {
 
 variable "stub" {
   type        = string
-  description = "systemd-stub, from Debian's systemd-boot-efi."
-}
-
-variable "kernel" {
-  type        = string
-  description = "The kernel (vmlinuz); root_directory must hold its modules."
+  description = "systemd-stub 252 on this machine, from Debian 12's systemd-boot-efi (scripts/boot-parts.sh)."
 }
 
 variable "root_directory" {
   type        = string
-  description = "The image's root file system, as scripts/guest-root.sh makes it."
+  description = "A Debian root file system with a kernel package, initramfs-tools, systemd and what berth-node needs (README.md)."
 }
 
 variable "agent_binary" {
@@ -39,9 +48,40 @@ variable "agent_sha256" {
   default     = ""
 }
 
+variable "agent_config" {
+  type        = string
+  description = "The agent's configuration (agent.yaml); empty takes node/agent.yaml beside this template."
+  default     = ""
+}
+
+variable "kubernetes_files" {
+  type = list(object({
+    source      = string
+    destination = string
+    sha256      = string
+  }))
+  description = "kubeadm, kubelet (destination /usr/bin/kubelet) and kubectl, each pinned by its SHA-256; berth-node refuses an image without kubeadm and the kubelet."
+}
+
+variable "image_archives" {
+  type = list(object({
+    source = string
+    sha256 = string
+  }))
+  description = "Container image archives to keep in the image, each pinned by its SHA-256: the pause image at least, since a chroot has no containerd to pull with."
+  default     = []
+}
+
+variable "cni_bin_dir" {
+  type        = string
+  description = "Where containerd finds the CNI plugins: the directory the cluster's pod network installs its plugin into."
+  default     = "/opt/cni/bin"
+}
+
 variable "cmdline" {
-  type    = string
-  default = "console=ttyS0 panic=-1 quiet"
+  type        = string
+  description = "The kernel command line; the verified root's items are added to it."
+  default     = "console=ttyS0"
 }
 
 variable "image_name" {
@@ -66,14 +106,9 @@ variable "kubernetes_version" {
 
 source "berth-uki" "node" {
   stub           = var.stub
-  kernel         = var.kernel
   cmdline        = var.cmdline
   root_directory = var.root_directory
-
-  initrd_files {
-    source      = "${path.root}/node/init"
-    destination = "/init"
-  }
+  verified_root  = true
 
   output_directory = var.output_directory
   name             = "berth"
@@ -85,7 +120,30 @@ build {
   provisioner "berth-agent" {
     agent_binary = var.agent_binary
     agent_sha256 = var.agent_sha256
-    agent_config = "${path.root}/node/agent.yaml"
+    agent_config = var.agent_config != "" ? var.agent_config : "${path.root}/node/agent.yaml"
+
+    dynamic "files" {
+      for_each = var.kubernetes_files
+      content {
+        source      = files.value.source
+        destination = files.value.destination
+        sha256      = files.value.sha256
+      }
+    }
+  }
+
+  provisioner "berth-node" {
+    # The chroot runs no containerd to pull with: images come as archives.
+    images      = []
+    cni_bin_dir = var.cni_bin_dir
+
+    dynamic "image_archives" {
+      for_each = var.image_archives
+      content {
+        source = image_archives.value.source
+        sha256 = image_archives.value.sha256
+      }
+    }
   }
 
   post-processor "berth-manifest" {

@@ -1,6 +1,7 @@
 // Package packertest sets up the plugin's acceptance tests: the real packer (make packer-tools, found through
 // BERTH_PACKER_BIN or PATH) with this tree's plugin installed where `packer init` finds it without network;
-// and the check, shared by the components' unit tests, that their documentation lists exactly their options.
+// the check, shared by the components' unit tests, that their documentation lists exactly their options; and
+// the checks of a baked node image's verified root, whichever builder made it (noderoot.go).
 package packertest
 
 import (

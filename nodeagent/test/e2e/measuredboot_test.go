@@ -38,7 +38,7 @@ import (
 	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
-// The guest's view of the host (examples/packer/node): the instance metadata, and the control-plane node
+// The guest's view of the host (testdata/agent.yaml): the instance metadata, and the control-plane node
 // whose join service it dials. Each is a QEMU guest forward to a loopback port of this test.
 var (
 	metadataGuest = netip.MustParseAddrPort("10.0.2.100:80")
@@ -48,13 +48,13 @@ var (
 )
 
 const (
-	imageName = "berth-node-local"
+	imageName = "berth-attest-local"
 	cmdline   = "console=ttyS0 panic=-1 quiet"
 	// changedCmdline differs from cmdline in one byte.
 	changedCmdline = "console=ttyS0 panic=-2 quiet"
 )
 
-// TestMeasuredBootJoin builds the node image of examples/packer/node.pkr.hcl with the real packer, and the
+// TestMeasuredBootJoin builds the image of testdata/attest.pkr.hcl with the real packer, and the
 // same image with one byte of its kernel command line changed. A join service on the host, backed by a real
 // kube-apiserver and knowing nothing of the image but berth-image.json, then sees the first image's agent
 // attest from a QEMU boot (OVMF, swtpm) and issues it a ticket, its quoted PCR 4, 9, 11 and 12 being the
@@ -77,7 +77,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 	parts := ukitest.BootParts(t)
 	root := ukitest.GuestRoot(t)
 	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
-	if out, err := packer(t, repo, "init", "node.pkr.hcl"); err != nil {
+	if out, err := packer(t, repo, "init", "attest.pkr.hcl"); err != nil {
 		t.Fatalf("packer init: %v\n%s", err, out)
 	}
 
@@ -89,7 +89,7 @@ func TestMeasuredBootJoin(t *testing.T) {
 		log, err := packer(t, repo, "build",
 			"-var", "stub="+parts.Stub, "-var", "kernel="+parts.Kernel, "-var", "root_directory="+root,
 			"-var", "agent_binary="+agent, "-var", "cmdline="+c.cmdline,
-			"-var", "output_directory="+out, "-var", "manifest="+manifestPath, "node.pkr.hcl")
+			"-var", "output_directory="+out, "-var", "manifest="+manifestPath, "attest.pkr.hcl")
 		if err != nil {
 			t.Fatalf("packer build of %s: %v\n%s", c.name, err, log)
 		}
@@ -353,11 +353,11 @@ func (h *host) boot(t *testing.T, disk, dir string, fresh bool, consoleWant stri
 	return res
 }
 
-// packer runs the real packer in examples/packer, as a user of the template would.
+// packer runs the real packer in testdata, as a user of the template would.
 func packer(t *testing.T, repo string, args ...string) ([]byte, error) {
 	t.Helper()
 	cmd := exec.Command("packer", args...)
-	cmd.Dir = filepath.Join(repo, "examples", "packer")
+	cmd.Dir = filepath.Join(repo, "nodeagent", "test", "e2e", "testdata")
 	return cmd.CombinedOutput()
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/hashicorp/packer-plugin-sdk/acctest"
 
 	"github.com/berthlabs/berth/internal/manifest"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/internal/uki/ukitest"
 	"github.com/berthlabs/berth/test/measuredboot"
 	"github.com/berthlabs/berth/test/packertest"
@@ -104,4 +106,76 @@ func TestAccLocalImage(t *testing.T) {
 func tail(s string, lines int) string {
 	all := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	return strings.Join(all[max(0, len(all)-lines):], "\n")
+}
+
+// TestAccNodeImage runs the real packer on examples/packer/node.pkr.hcl as a user would, with the root file
+// system of scripts/debian-vm.sh (Debian 12 with systemd, a kernel, initramfs-tools and the packages a node
+// needs, mounted read-only from that disk), a static berth-agent, and kubeadm and the kubelet built from the
+// Kubernetes module. The disk it makes must hold the UKI and the verified root: the root verifies against
+// the root hash on the UKI's command line, and holds what berth-node makes of a node and nothing of the
+// build's identity (packertest.CheckNodeRoot, which also checks the qemu builder's image).
+func TestAccNodeImage(t *testing.T) {
+	if os.Getenv(acctest.TestEnvVar) == "" {
+		t.Skipf("acceptance test with the real packer: make testacc-packer runs it (%s=1)", acctest.TestEnvVar)
+	}
+	if os.Geteuid() != 0 {
+		t.Fatal("the provisioners' chroot and mounting the Debian root need root (run make testacc-packer as root)")
+	}
+	packertest.Setup(t)
+	parts := ukitest.BootParts(t)
+	vm := repotest.Script(t, "debian-vm.sh", "it needs root, mmdebstrap and the Debian archive")
+	vmParts := packertest.Partitions(t, filepath.Join(vm, "disk.raw"))
+	if len(vmParts) != 2 {
+		t.Fatalf("debian-vm's disk has partitions %+v, want an ESP and the root", vmParts)
+	}
+	root := packertest.Mount(t, vmParts[1].Loop(t, true))
+	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
+	kube := repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
+	var files []string
+	for _, name := range []string{"kubeadm", "kubelet"} {
+		files = append(files, fmt.Sprintf("{source=%q, destination=%q, sha256=%q}",
+			filepath.Join(kube, name), "/usr/bin/"+name, packertest.FileSHA256(t, filepath.Join(kube, name))))
+	}
+
+	dir := t.TempDir()
+	output, manifestPath := filepath.Join(dir, "output-node"), filepath.Join(dir, "berth-image.json")
+	if out, err := examplePacker("init", "node.pkr.hcl"); err != nil {
+		t.Fatalf("packer init node.pkr.hcl: %v\n%s", err, out)
+	}
+	start := time.Now()
+	out, err := examplePacker("build", "-var", "stub="+parts.Stub, "-var", "root_directory="+root, "-var", "agent_binary="+agent,
+		"-var", "kubernetes_files=["+strings.Join(files, ", ")+"]", "-var", "output_directory="+output,
+		"-var", "manifest="+manifestPath, "-var", "kubernetes_version=v1.36.3", "node.pkr.hcl")
+	if err != nil {
+		t.Fatalf("packer build node.pkr.hcl: %v\n%s", err, out)
+	}
+	t.Logf("packer build node.pkr.hcl: %.0fs\n%s", time.Since(start).Seconds(), tail(string(out), 30))
+
+	data, err := os.ReadFile(manifestPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := manifest.Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, ok := m.Image("berth-node-local")
+	raw := filepath.Join(output, "berth.raw")
+	if !ok || img.Builder != "berth-uki" || img.ArtifactID != raw || img.Components["kubernetes"] != "v1.36.3" {
+		t.Fatalf("manifest images %+v, want berth-node-local from berth-uki, artifact %s, kubernetes v1.36.3", m.Images, raw)
+	}
+	packertest.CheckNodeRoot(t, raw, filepath.Join(output, "berth.efi"), "/opt/cni/bin")
+	if _, err := os.Stat(filepath.Join(output, "root")); err == nil {
+		t.Error("the provisioned copy of the root was left in the output directory")
+	}
+	if _, err := os.Stat(filepath.Join(output, "root.img")); err == nil {
+		t.Error("the root's image was left in the output directory beside the disk that holds it")
+	}
+}
+
+// examplePacker runs the real packer in examples/packer, as a user of its templates would.
+func examplePacker(args ...string) ([]byte, error) {
+	cmd := exec.Command("packer", args...)
+	cmd.Dir = filepath.Join("..", "..", "..", "examples", "packer")
+	return cmd.CombinedOutput()
 }

@@ -1,14 +1,9 @@
 package ukiinstall
 
 import (
-	"cmp"
 	"context"
-	"crypto/sha256"
-	"debug/pe"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -87,12 +82,12 @@ func TestAccQEMUImage(t *testing.T) {
 	var files []string
 	for _, name := range []string{"kubeadm", "kubelet"} {
 		files = append(files, fmt.Sprintf("{source=%q, destination=%q, sha256=%q}",
-			filepath.Join(kube, name), "/usr/bin/"+name, fileSHA256(t, filepath.Join(kube, name))))
+			filepath.Join(kube, name), "/usr/bin/"+name, packertest.FileSHA256(t, filepath.Join(kube, name))))
 	}
 	var archives []string
 	// CoreDNS runs on the lab's own nodes before this one joins, and the workload image is other tests'.
 	for _, path := range l.NodeImageArchives(lab.CoreDNSImage, lab.WorkloadImage) {
-		archives = append(archives, fmt.Sprintf("{source=%q, sha256=%q}", path, fileSHA256(t, path)))
+		archives = append(archives, fmt.Sprintf("{source=%q, sha256=%q}", path, packertest.FileSHA256(t, path)))
 	}
 	dir := t.TempDir()
 	agentConfig := filepath.Join(dir, "agent.yaml")
@@ -106,7 +101,7 @@ func TestAccQEMUImage(t *testing.T) {
 	if err := os.WriteFile(imageRule, []byte("KERNEL==\"vdb\", SYMLINK+=\"disk/by-berth/image\"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	extraFiles := fmt.Sprintf("[{source=%q, destination=%q, sha256=%q}]", imageRule, "/etc/udev/rules.d/90-berth-image.rules", fileSHA256(t, imageRule))
+	extraFiles := fmt.Sprintf("[{source=%q, destination=%q, sha256=%q}]", imageRule, "/etc/udev/rules.d/90-berth-image.rules", packertest.FileSHA256(t, imageRule))
 
 	// The cluster comes up while Packer builds: each leaves most of the other's CPU.
 	clusterUp := make(chan error, 1)
@@ -141,7 +136,7 @@ func TestAccQEMUImage(t *testing.T) {
 	if !ok || img.Builder != "qemu" || img.ArtifactID != image {
 		t.Fatalf("manifest images %+v, want berth-node-qemu from the qemu builder", m.Images)
 	}
-	checkNodeRoot(t, image, uki)
+	packertest.CheckNodeRoot(t, image, uki, lab.CNIBinDir)
 
 	start = time.Now()
 	if err := <-clusterUp; err != nil {
@@ -152,18 +147,8 @@ func TestAccQEMUImage(t *testing.T) {
 	}
 	// The join policy admits the lab's own image and, for workers, the baked one by the manifest's PCRs:
 	// a join is the check of the prediction.
-	pcrs := map[int][]byte{}
-	for idx, v := range img.PCRs {
-		i, err := strconv.Atoi(idx)
-		if err != nil {
-			t.Fatalf("manifest PCR %q: %v", idx, err)
-		}
-		if pcrs[i], err = hex.DecodeString(v); err != nil {
-			t.Fatalf("manifest PCR %s: %v", idx, err)
-		}
-	}
-	if err := l.SetPolicy(ctx, &policy.Policy{Images: []policy.Image{lab.LabImage(lab.ImageNames[0]),
-		{Name: img.Name, PCRs: pcrs, Roles: []metadata.Role{metadata.RoleWorker}}}}); err != nil {
+	qemuImage := workerImage(t, img)
+	if err := l.SetPolicy(ctx, &policy.Policy{Images: []policy.Image{lab.LabImage(lab.ImageNames[0]), qemuImage}}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -192,7 +177,7 @@ func TestAccQEMUImage(t *testing.T) {
 	if err := l.ServeProbe(ctx, "on-vm", []string{node.Name}); err != nil {
 		t.Fatalf("%v\n%s", err, node.Diagnose(ctx))
 	}
-	reachVM(ctx, t, l, node, "from-worker-0")
+	reachVM(ctx, t, l, node, "on-vm", "from-worker-0")
 	t.Logf("kube-proxy and Flannel ran on it, and a pod on it answered a pod on worker-0 through its Service in %.0fs", time.Since(start).Seconds())
 
 	start = time.Now()
@@ -208,12 +193,32 @@ func TestAccQEMUImage(t *testing.T) {
 	checkStateDirs(ctx, t, node)
 	start = time.Now()
 	waitProbeBack(ctx, t, l, node, reboot)
-	reachVM(ctx, t, l, node, "after-reboot")
+	reachVM(ctx, t, l, node, "on-vm", "after-reboot")
 	t.Logf("its pod ran again and answered in %.0fs", time.Since(start).Seconds())
 
-	// The machines with a tampered root get the CPU to themselves.
+	// The machines that follow get the CPU to themselves.
 	node.PowerOff()
+	if os.Getenv("BERTH_LOCAL_NODE_JOIN") != "" {
+		checkLocalImage(ctx, t, l, localImage{vm: vm, stub: parts.Stub, agent: agent, agentConfig: agentConfig,
+			kubeFiles: files, archives: archives, dir: filepath.Join(dir, "local"), qemuImage: qemuImage})
+	}
 	checkTamperedImages(ctx, t, l, image, img.Name, dir)
+}
+
+// workerImage is the join policy's image for workers booted from the manifest's image: its predicted PCRs.
+func workerImage(t *testing.T, img imagemanifest.Image) policy.Image {
+	t.Helper()
+	pcrs := map[int][]byte{}
+	for idx, v := range img.PCRs {
+		i, err := strconv.Atoi(idx)
+		if err != nil {
+			t.Fatalf("manifest PCR %q: %v", idx, err)
+		}
+		if pcrs[i], err = hex.DecodeString(v); err != nil {
+			t.Fatalf("manifest PCR %s: %v", idx, err)
+		}
+	}
+	return policy.Image{Name: img.Name, PCRs: pcrs, Roles: []metadata.Role{metadata.RoleWorker}}
 }
 
 // checkStateDirs checks that kubeadm's, the kubelet's and etcd's directories are bound from the encrypted
@@ -230,100 +235,6 @@ func checkStateDirs(ctx context.Context, t *testing.T, node *labvm.VM) {
 	if out, err := node.SSH(ctx, "test -s /var/lib/berth/dirs/etc/kubernetes/kubelet.conf"); err != nil {
 		t.Errorf("kubelet.conf is not on the state volume: %v %s", err, out)
 	}
-}
-
-// partition is the image's root partition, in bytes from the start of its disk.
-type partition struct {
-	disk         string
-	offset, size int64
-	uuid         string
-}
-
-// rootPartition finds the image's root partition: the second of two, named berth-root.
-func rootPartition(t *testing.T, disk string) partition {
-	t.Helper()
-	out, err := exec.Command("sfdisk", "--json", disk).Output()
-	if err != nil {
-		t.Fatalf("sfdisk --json %s: %v", disk, err)
-	}
-	var table struct {
-		PartitionTable struct {
-			SectorSize int64 `json:"sectorsize"`
-			Partitions []struct {
-				Start int64  `json:"start"`
-				Size  int64  `json:"size"`
-				UUID  string `json:"uuid"`
-				Name  string `json:"name"`
-			} `json:"partitions"`
-		} `json:"partitiontable"`
-	}
-	if err := json.Unmarshal(out, &table); err != nil || len(table.PartitionTable.Partitions) != 2 || table.PartitionTable.Partitions[1].Name != "berth-root" {
-		t.Fatalf("the image's partition table, want an ESP and berth-root: %v\n%s", err, out)
-	}
-	p := table.PartitionTable.Partitions[1]
-	sector := cmp.Or(table.PartitionTable.SectorSize, 512)
-	return partition{disk: disk, offset: p.Start * sector, size: p.Size * sector, uuid: p.UUID}
-}
-
-// loop attaches the partition as a loop device until the end of the test.
-func (p partition) loop(t *testing.T, readOnly bool) string {
-	t.Helper()
-	args := []string{"--show", "--find", "--offset", strconv.FormatInt(p.offset, 10), "--sizelimit", strconv.FormatInt(p.size, 10), p.disk}
-	if readOnly {
-		args = append([]string{"--read-only"}, args...)
-	}
-	out, err := exec.Command("losetup", args...).Output()
-	if err != nil {
-		t.Fatalf("losetup of %s's root partition: %v", p.disk, err)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
-	return dev
-}
-
-// mount mounts what is on dev (the image's erofs) read-only until the end of the test.
-func mount(t *testing.T, dev string) string {
-	t.Helper()
-	dir := t.TempDir()
-	if out, err := exec.Command("mount", "-o", "ro", dev, dir).CombinedOutput(); err != nil {
-		t.Fatalf("mounting %s: %v\n%s", dev, err, out)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
-			t.Errorf("umount %s: %v\n%s", dir, err, out)
-		}
-	})
-	return dir
-}
-
-// verityRecord is berth.verity= of the UKI's command line: partition UUID, data blocks, hash offset, root
-// hash and salt.
-func verityRecord(t *testing.T, uki string) []string {
-	t.Helper()
-	f, err := pe.Open(uki)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	s := f.Section(".cmdline")
-	if s == nil {
-		t.Fatalf("%s has no .cmdline section", uki)
-	}
-	data, err := s.Data()
-	if err != nil {
-		t.Fatal(err)
-	}
-	// A section's data is padded to the file alignment.
-	line := strings.TrimRight(string(data), "\x00")
-	for _, item := range strings.Fields(line) {
-		if v, ok := strings.CutPrefix(item, "berth.verity="); ok {
-			if r := strings.Split(v, ":"); len(r) == 5 {
-				return r
-			}
-		}
-	}
-	t.Fatalf("the UKI's command line %q has no berth.verity=<uuid>:<blocks>:<offset>:<hash>:<salt>", line)
-	return nil
 }
 
 // logStages logs the stages of the machine's boot, for docs/lab.md's figures.
@@ -386,97 +297,17 @@ func startLab(ctx context.Context, t *testing.T, kube, agent string) *lab.Lab {
 }
 
 // reachVM has a pod on the lab's worker ask the probe Service on the baked machine until its pod answers.
-func reachVM(ctx context.Context, t *testing.T, l *lab.Lab, node *labvm.VM, pod string) {
+func reachVM(ctx context.Context, t *testing.T, l *lab.Lab, node *labvm.VM, service, pod string) {
 	t.Helper()
-	answered, err := l.FetchProbe(ctx, pod, "on-vm", l.Node("worker-0"), 1)
+	answered, err := l.FetchProbe(ctx, pod, service, l.Node("worker-0"), 1)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, node.Diagnose(ctx))
 	}
-	replicas, err := l.ProbeReplicas(ctx, "on-vm")
+	replicas, err := l.ProbeReplicas(ctx, service)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(answered) != 1 || replicas[answered[0]] != node.Name {
 		t.Fatalf("%s: answered by %v, want the replica on %s (%v)", pod, answered, node.Name, replicas)
-	}
-}
-
-func fileSHA256(t *testing.T, name string) string {
-	t.Helper()
-	f, err := os.Open(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(h.Sum(nil))
-}
-
-// checkNodeRoot checks the image Packer wrote: an ESP and the root partition, whose erofs file system
-// followed by its hash tree verifies against the record on the UKI's command line (veritysetup verify, which
-// reads every block); and, mounting the erofs read-only, what berth-node made of the machine: containerd
-// configured for the kubelet, the units enabled, swap off, and nothing of the build machine's identity left.
-func checkNodeRoot(t *testing.T, disk, uki string) {
-	t.Helper()
-	part := rootPartition(t, disk)
-	record := verityRecord(t, uki)
-	if !strings.EqualFold(record[0], part.uuid) {
-		t.Fatalf("the UKI's command line names partition %s, the image's root is %s", record[0], part.uuid)
-	}
-	dev := part.loop(t, true)
-	if out, err := exec.Command("veritysetup", "verify", dev, dev, record[3], "--no-superblock", "--data-blocks="+record[1],
-		"--hash-offset="+record[2], "--salt="+record[4]).CombinedOutput(); err != nil {
-		t.Fatalf("the image's root does not verify against the UKI's root hash: %v\n%s", err, out)
-	}
-	root := mount(t, dev)
-	read := func(name string) string {
-		data, err := os.ReadFile(filepath.Join(root, name))
-		if err != nil {
-			t.Errorf("%s: %v", name, err)
-		}
-		return string(data)
-	}
-	for name, want := range map[string]string{
-		"etc/containerd/config.toml":                           "SystemdCgroup = true",
-		"etc/systemd/system/kubelet.service.d/10-kubeadm.conf": "/var/lib/kubelet/kubeadm-flags.env",
-		"etc/modules-load.d/berth-node.conf":                   "br_netfilter",
-		"etc/sysctl.d/90-berth-node.conf":                      "net.ipv4.ip_forward = 1",
-	} {
-		if got := read(name); !strings.Contains(got, want) {
-			t.Errorf("%s lacks %q:\n%s", name, want, got)
-		}
-	}
-	for _, link := range []string{"multi-user.target.wants/kubelet.service", "multi-user.target.wants/berth-images.service",
-		"multi-user.target.wants/berth-agent.service", "multi-user.target.wants/containerd.service"} {
-		if _, err := os.Lstat(filepath.Join(root, "etc/systemd/system", link)); err != nil {
-			t.Errorf("%s is not enabled: %v", filepath.Base(link), err)
-		}
-	}
-	if target, err := os.Readlink(filepath.Join(root, "etc/systemd/system/swap.target")); err != nil || target != "/dev/null" {
-		t.Errorf("swap.target is not masked: %q, %v", target, err)
-	}
-	for _, name := range []string{"usr/bin/kubelet", "usr/bin/kubeadm", "usr/local/bin/berth-agent", strings.TrimPrefix(lab.CNIBinDir, "/") + "/bridge", "usr/bin/containerd"} {
-		if fi, err := os.Stat(filepath.Join(root, name)); err != nil || fi.Mode().Perm()&0o111 == 0 {
-			t.Errorf("%s is not an executable in the image: %v", name, err)
-		}
-	}
-	for _, line := range strings.Split(read("etc/fstab"), "\n") {
-		if f := strings.Fields(line); len(f) > 1 && !strings.HasPrefix(f[0], "#") && (f[1] == "/" || f[1] == "/boot/efi") {
-			t.Errorf("the image's fstab still mounts the build machine's %s: %q", f[1], line)
-		}
-	}
-	if id := read("etc/machine-id"); id != "" {
-		t.Errorf("/etc/machine-id holds %q: every instance would share it", id)
-	}
-	if keys, _ := filepath.Glob(filepath.Join(root, "etc/ssh/ssh_host_*")); len(keys) != 0 {
-		t.Errorf("the build machine's SSH host keys are in the image: %v", keys)
-	}
-	// Debian's unit checks sshd's configuration, keys included, before it starts: the keys must come first.
-	const keygen = "ExecStartPre=\nExecStartPre=/usr/bin/ssh-keygen -A\nExecStartPre=/usr/sbin/sshd -t\n"
-	if got := read("etc/systemd/system/ssh.service.d/berth-node-host-keys.conf"); !strings.Contains(got, keygen) {
-		t.Errorf("ssh.service's drop-in makes no host keys before sshd -t:\n%s", got)
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/test/lab"
 	"github.com/berthlabs/berth/test/labvm"
+	"github.com/berthlabs/berth/test/packertest"
 )
 
 // corruptedMessage is what the kernel says when dm-verity refuses a block of a device opened with
@@ -88,8 +89,8 @@ func checkTamperedImages(ctx context.Context, t *testing.T, l *lab.Lab, image, i
 // on the image's root partition, found by FIEMAP (filefrag) on the erofs mounted from a copy.
 func flipFileByte(t *testing.T, disk, path string) {
 	t.Helper()
-	part := rootPartition(t, disk)
-	root := mount(t, part.loop(t, true))
+	part := packertest.RootPartition(t, disk)
+	root := packertest.Mount(t, part.Loop(t, true))
 	out, err := exec.Command("filefrag", "-v", "-b4096", filepath.Join(root, path)).CombinedOutput()
 	if err != nil {
 		t.Fatalf("filefrag %s: %v\n%s", path, err, out)
@@ -113,7 +114,7 @@ func flipFileByte(t *testing.T, disk, path string) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	at := part.offset + block*4096 + 100
+	at := part.Offset + block*4096 + 100
 	b := make([]byte, 1)
 	if _, err := f.ReadAt(b, at); err != nil {
 		t.Fatal(err)
@@ -129,10 +130,10 @@ func flipFileByte(t *testing.T, disk, path string) {
 // under another root hash. The ESP, and so the UKI, stays the image's.
 func otherRoot(t *testing.T, disk string) {
 	t.Helper()
-	part := rootPartition(t, disk)
-	dev := part.loop(t, false)
+	part := packertest.RootPartition(t, disk)
+	dev := part.Loop(t, false)
 	tree := t.TempDir()
-	lower := mount(t, part.loop(t, true))
+	lower := packertest.Mount(t, part.Loop(t, true))
 	upper, work, merged := filepath.Join(tree, "upper"), filepath.Join(tree, "work"), filepath.Join(tree, "merged")
 	for _, d := range []string{filepath.Join(upper, "etc", "berth"), work, merged} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
