@@ -180,11 +180,15 @@ func TestConfigurationErrors(t *testing.T) {
 		{name: "every problem of the YAML at once", content: "statedisk: /dev/null\nretryMax: 5\n", heading: "parsing agent configuration",
 			want: []string{":\n  line 1: unknown field \"statedisk\"", "\n  line 2: retryMax: a duration such as 5s"}},
 		{name: "PCR out of range", content: valid + "pcrs: [7, 24]\n", heading: "agent configuration",
-			want: []string{": pcrs: 24 is not a PCR index (0 to 23)\n"}},
+			want: []string{": line 3: pcrs: 24 is not a PCR index (0 to 23)\n"}},
 		{name: "PCR listed twice", content: valid + "pcrs: [7, 7]\n", heading: "agent configuration",
-			want: []string{": pcrs: 7 is listed twice\n"}},
-		{name: "every validation problem at once", content: "pcrs: [-1]\n", heading: "agent configuration",
-			want: []string{":\n  set exactly one of metadataURL", "\n  stateDisk is required", "\n  pcrs: -1 is not a PCR index (0 to 23)"}},
+			want: []string{": line 3: pcrs: 7 is listed twice\n"}},
+		// A worker once took this to time.NewTicker after its join, panicked and restarted without end.
+		{name: "negative duration", content: valid + "localUnlockRefresh: -5m\n", heading: "agent configuration",
+			want: []string{": line 3: localUnlockRefresh: -5m0s is negative"}},
+		{name: "every validation problem at once", content: "pcrs: [-1]\ninitListen: localhost\nmetadataURL: ftp://m\n", heading: "agent configuration",
+			want: []string{":\n  line 3: metadataURL \"ftp://m\" is not an http(s) URL", "\n  line 2: initListen: \"localhost\" is not host:port",
+				"\n  stateDisk is required", "\n  line 1: pcrs: -1 is not a PCR index (0 to 23)"}},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -217,16 +218,40 @@ func (c *Config) Validate() error {
 	if c.GCP != nil {
 		errs = append(errs, c.GCP.Validate()...)
 	}
+	errs = append(errs, platform.CheckEndpoints("", map[string]string{"metadataURL": c.MetadataURL})...)
 	if c.MetricsListen != "" {
-		if _, port, err := net.SplitHostPort(c.MetricsListen); err != nil || port == "" {
-			errs = append(errs, fmt.Errorf("metricsListen: %q is not host:port (such as 0.0.0.0:9452)", c.MetricsListen))
-		}
+		errs = append(errs, checkListen("metricsListen", c.MetricsListen, "0.0.0.0:9452")...)
+	}
+	errs = append(errs, checkListen("initListen", c.InitListen, fmt.Sprintf(":%d", DefaultInitPort))...)
+	if c.JoinListenHost != "" && !validHost(c.JoinListenHost) {
+		errs = append(errs, fmt.Errorf("joinListenHost: %q is not an IP address or a host name (the port comes from user-data)", c.JoinListenHost))
 	}
 	if c.StateDisk == "" {
 		errs = append(errs, errors.New("stateDisk is required"))
 	}
 	if c.Paths.State == "" || c.Paths.KubernetesDir == "" || c.Paths.KubeletDir == "" {
 		errs = append(errs, errors.New("paths.state, paths.kubernetesDir and paths.kubeletDir must all be set"))
+	}
+	for _, f := range []struct{ name, path string }{
+		{"stateDisk", c.StateDisk}, {"userDataFile", c.UserDataFile}, {"ekCABundle", c.EKCABundle},
+		{"kubeconfig", c.Kubeconfig}, {"policyFile", c.PolicyFile}, {"paths.state", c.Paths.State},
+		{"paths.kubernetesDir", c.Paths.KubernetesDir}, {"paths.kubeletDir", c.Paths.KubeletDir},
+	} {
+		if f.path != "" && !filepath.IsAbs(f.path) {
+			errs = append(errs, fmt.Errorf("%s: %q is not an absolute path", f.name, f.path))
+		}
+	}
+	if err := checkTPM(c.TPM); err != nil {
+		errs = append(errs, err)
+	}
+	// Zero is "the default" for both; a negative duration would reach a timer or a backoff.
+	for _, d := range []struct {
+		name  string
+		value time.Duration
+	}{{"retryMax", c.RetryMax.Duration}, {"localUnlockRefresh", c.LocalUnlockRefresh.Duration}} {
+		if d.value < 0 {
+			errs = append(errs, fmt.Errorf("%s: %v is negative: want a duration such as 30s, or leave it out for the default", d.name, d.value))
+		}
 	}
 	if c.StateMount != "" && !filepath.IsAbs(c.StateMount) {
 		errs = append(errs, fmt.Errorf("stateMount: %q is not an absolute path", c.StateMount))
@@ -263,6 +288,59 @@ func (c *Config) Platform() platform.Platform {
 	default:
 		return lab.New(c.MetadataURL, src, c.EKCABundle)
 	}
+}
+
+// checkListen refuses a listen address that net.Listen would refuse only when the node first serves: it
+// must be host:port with a numeric port; the host may be empty (every address).
+func checkListen(name, addr, example string) []error {
+	host, port, err := net.SplitHostPort(addr)
+	n, perr := strconv.ParseUint(port, 10, 16)
+	switch {
+	case err != nil || perr != nil || (host != "" && !validHost(host)):
+		return []error{fmt.Errorf("%s: %q is not host:port (such as %s)", name, addr, example)}
+	case n == 0:
+		return []error{fmt.Errorf("%s: %q has port 0: the provider and the nodes dial a port they know", name, addr)}
+	}
+	return nil
+}
+
+// validHost says whether host is an IP address or a DNS name (RFC 1123 labels).
+func validHost(host string) bool {
+	if _, err := netip.ParseAddr(host); err == nil {
+		return true
+	}
+	if len(host) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(strings.TrimSuffix(host, "."), ".") {
+		if len(label) == 0 || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// checkTPM refuses a TPM that attest.Open could not open by its form: a device path, or a software TPM's
+// unix:<absolute path> or tcp:<host:port>.
+func checkTPM(tpm string) error {
+	switch {
+	case strings.HasPrefix(tpm, "unix:"):
+		if !filepath.IsAbs(strings.TrimPrefix(tpm, "unix:")) {
+			return fmt.Errorf("tpm: %q is not unix:<absolute path of a socket>", tpm)
+		}
+	case strings.HasPrefix(tpm, "tcp:"):
+		if host, port, err := net.SplitHostPort(strings.TrimPrefix(tpm, "tcp:")); err != nil || port == "" || (host != "" && !validHost(host)) {
+			return fmt.Errorf("tpm: %q is not tcp:<host:port>", tpm)
+		}
+	case !filepath.IsAbs(tpm):
+		return fmt.Errorf("tpm: %q is not a device path (such as /dev/tpmrm0), unix:<socket> or tcp:<host:port>", tpm)
+	}
+	return nil
 }
 
 // checkStateDirs refuses binds that would fail or hide something at every boot, after the disk was keyed.

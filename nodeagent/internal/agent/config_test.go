@@ -3,6 +3,7 @@ package agent
 import (
 	"encoding/json"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -250,7 +251,32 @@ func TestLoadConfigRefusals(t *testing.T) {
 		{name: "source address not an address", content: minimalConfig + "sourceAddress: eth0\n",
 			want: []string{`sourceAddress: "eth0" is not an IP address`}},
 		{name: "every validation problem at once", content: "pcrs: [24]\n",
-			want: []string{"agent configuration " + "PATH" + ":\n  set exactly one of metadataURL", "\n  stateDisk is required", "\n  pcrs: 24 is not a PCR index"}},
+			want: []string{"agent configuration " + "PATH" + ":\n  set exactly one of metadataURL", "\n  stateDisk is required", "\n  line 1: pcrs: 24 is not a PCR index"}},
+		// What issue 30 found accepted: each value refused before anything runs, with its line and field.
+		{name: "metadata URL not http", content: "metadataURL: ftp://169.254.169.254\nstateDisk: /dev/vdb\n",
+			want: []string{`line 1: metadataURL "ftp://169.254.169.254" is not an http(s) URL`}},
+		{name: "metadata URL without a host", content: "metadataURL: http://\nstateDisk: /dev/vdb\n",
+			want: []string{`line 1: metadataURL "http://" is not an http(s) URL`}},
+		{name: "relative state disk", content: "metadataURL: http://m\nstateDisk: vdb\n",
+			want: []string{`line 2: stateDisk: "vdb" is not an absolute path`}},
+		{name: "init listen without a port", content: minimalConfig + "initListen: localhost\n",
+			want: []string{`line 3: initListen: "localhost" is not host:port (such as :7451)`}},
+		{name: "init listen on port 0", content: minimalConfig + "initListen: \":0\"\n",
+			want: []string{`line 3: initListen: ":0" has port 0`}},
+		{name: "join listen host not a host", content: minimalConfig + "joinListenHost: \"not a host!\"\n",
+			want: []string{`line 3: joinListenHost: "not a host!" is not an IP address or a host name`}},
+		{name: "negative durations", content: minimalConfig + "localUnlockRefresh: -5m\nretryMax: -1s\n",
+			want: []string{"line 3: localUnlockRefresh: -5m0s is negative", "line 4: retryMax: -1s is negative"}},
+		{name: "TPMs of no form", content: minimalConfig + "tpm: tpmrm0\n", want: []string{`line 3: tpm: "tpmrm0" is not a device path`}},
+		{name: "software TPM on a relative socket", content: minimalConfig + "tpm: unix:tpm.sock\n",
+			want: []string{`line 3: tpm: "unix:tpm.sock" is not unix:<absolute path of a socket>`}},
+		{name: "software TPM without a port", content: minimalConfig + "tpm: tcp:localhost\n",
+			want: []string{`line 3: tpm: "tcp:localhost" is not tcp:<host:port>`}},
+		{name: "relative files", content: minimalConfig + "ekCABundle: ek.pem\nkubeconfig: kc\npolicyFile: p.yaml\npaths:\n  state: s\n  kubernetesDir: /k\n  kubeletDir: /l\n",
+			want: []string{`line 3: ekCABundle: "ek.pem" is not an absolute path`, `line 4: kubeconfig: "kc" is not an absolute path`,
+				`line 5: policyFile: "p.yaml" is not an absolute path`, `line 7: paths.state: "s" is not an absolute path`}},
+		{name: "metrics listen of a non-numeric port", content: minimalConfig + "metricsListen: \"0.0.0.0:http\"\n",
+			want: []string{`line 3: metricsListen: "0.0.0.0:http" is not host:port`}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -321,4 +347,60 @@ func TestPlatformChoice(t *testing.T) {
 			t.Errorf("%q: platform %q, want %q", c.content, got, c.want)
 		}
 	}
+}
+
+// TestLoadConfigAcceptsForms: the forms each checked field takes.
+func TestLoadConfigAcceptsForms(t *testing.T) {
+	for _, extra := range []string{
+		"tpm: unix:/run/swtpm/tpm.sock\n", "tpm: tcp:127.0.0.1:2321\n", "tpm: /dev/tpm0\n",
+		"initListen: 10.0.0.5:7451\n", "initListen: \"[::1]:7451\"\n", "initListen: node-1.internal:7451\n",
+		"joinListenHost: 10.0.0.5\n", "joinListenHost: \"::\"\n", "joinListenHost: cp-0.berth.internal.\n",
+		"localUnlockRefresh: 30s\nretryMax: 0s\n",
+	} {
+		c, err := LoadConfig(writeConfig(t, "metadataURL: https://metadata.internal:8443/berth\nstateDisk: /dev/disk/by-id/virtio-berth-state\n"+extra))
+		if err != nil {
+			t.Errorf("%q: %v", extra, err)
+		} else if c.LocalUnlockRefresh.Duration <= 0 {
+			t.Errorf("%q: localUnlockRefresh %v", extra, c.LocalUnlockRefresh)
+		}
+	}
+}
+
+// FuzzLoadConfig: whatever the file holds, LoadConfig refuses it or returns a configuration the agent runs
+// with, never panicking: durations that a ticker and a backoff take, listen addresses that are host:port, a
+// platform. (A negative localUnlockRefresh once reached time.NewTicker and panicked after the join.)
+func FuzzLoadConfig(f *testing.F) {
+	for _, seed := range []string{
+		minimalConfig,
+		minimalConfig + "localUnlockRefresh: -5m\n",
+		minimalConfig + "initListen: localhost\njoinListenHost: \"not a host!\"\n",
+		"stateDisk: /dev/vdb\naws:\n  autoscalingGroups:\n    w: worker\n",
+		"stateDisk: /dev/vdb\ngcp:\n  instanceGroups:\n    europe-west1/w: worker\n",
+		"userDataFile: /etc/berth/user-data.json\nstateDisk: /dev/vdb\nstateMount: /var/lib/berth\n",
+		minimalConfig + "tpm: tcp:[::1]:2321\nretryMax: 1h\nmetricsListen: \":9452\"\npcrs: [4, 9]\n",
+	} {
+		f.Add([]byte(seed))
+	}
+	path := filepath.Join(f.TempDir(), "agent.yaml")
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if err := os.WriteFile(path, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		c, err := LoadConfig(path)
+		if err != nil {
+			return
+		}
+		if c.RetryMax.Duration < 0 || c.LocalUnlockRefresh.Duration <= 0 {
+			t.Fatalf("accepted retryMax %v and localUnlockRefresh %v", c.RetryMax, c.LocalUnlockRefresh)
+		}
+		time.NewTicker(c.LocalUnlockRefresh.Duration).Stop()
+		for _, addr := range []string{c.InitListen, c.MetricsListen, net.JoinHostPort(c.JoinListenHost, "7452")} {
+			if _, _, err := net.SplitHostPort(addr); addr != "" && err != nil {
+				t.Fatalf("accepted a listen address %q: %v", addr, err)
+			}
+		}
+		if c.Platform() == nil {
+			t.Fatal("an accepted configuration names no platform")
+		}
+	})
 }

@@ -5,29 +5,59 @@ package configfile
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
 	"time"
 )
 
-// Load reads the configuration file at path into out (Decode), then runs check, which fills in defaults and
+// Load reads the configuration file at path into out (decode), then runs check, which fills in defaults and
 // says what is wrong. Errors name the file, kind saying what it is ("agent configuration"), and list every
-// problem, one a line: those of the YAML's shape (unknown keys, values of the wrong type) with their line,
-// or else those check finds; a field that did not parse would only add misleading complaints about its
-// absence.
+// problem, one a line, with the line of the field it names: those of the YAML's shape (unknown keys, values
+// of the wrong type), or else those check finds; a field that did not parse would only add misleading
+// complaints about its absence.
 func Load(path, kind string, out any, check func() error) error {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return fmt.Errorf("reading %s: %w", kind, err)
 	}
-	if err := Decode(data, out); err != nil {
+	lines, err := decode(data, out)
+	if err != nil {
 		return &fileError{"parsing " + kind + " " + path, err}
 	}
 	if err := check(); err != nil {
-		return &fileError{kind + " " + path, err}
+		return &fileError{kind + " " + path, withLines(err, lines)}
 	}
 	return nil
+}
+
+// withLines puts before each of check's problems that starts with a field's path (`metadataURL: ...`,
+// `aws.ec2Endpoint "..." ...`) the line that sets the field; a problem of a field the file does not set
+// (one that is missing) stays as it is.
+func withLines(err error, lines map[string]int) error {
+	var out []error
+	for _, e := range flatten(err) {
+		field, _, _ := strings.Cut(e.Error(), " ")
+		if line, ok := lines[strings.TrimRight(field, ":,")]; ok {
+			e = fmt.Errorf("line %d: %w", line, e)
+		}
+		out = append(out, e)
+	}
+	return errors.Join(out...)
+}
+
+// flatten is the problems of errors.Join's errors, however nested.
+func flatten(err error) []error {
+	j, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		return []error{err}
+	}
+	var list []error
+	for _, e := range j.Unwrap() {
+		list = append(list, flatten(e)...)
+	}
+	return list
 }
 
 // fileError is the problems of a configuration file under a heading naming it: on the heading's line if

@@ -10,32 +10,34 @@ import (
 	"go.yaml.in/yaml/v3"
 )
 
-// Decode decodes a configuration file's YAML into out (a pointer to a struct whose fields are named by
+// decode decodes a configuration file's YAML into out (a pointer to a struct whose fields are named by
 // their json tags), matching every key exactly and reporting every problem of the file at once, each with
 // its line and the field's path. sigs.k8s.io/yaml's UnmarshalStrict cannot do this: it converts YAML to
 // JSON for encoding/json, which matches keys case-insensitively (`statedisk:` set stateDisk), stops at the
 // first problem and names neither the line nor, for a json.Unmarshaler such as Duration, the field. The
 // values still end up in out through encoding/json, so that the json tags and UnmarshalJSON methods the
 // rest of Berth uses stay the only definition of the format.
-func Decode(data []byte, out any) error {
+// It returns the line of each field the file sets, by its path ("aws.ec2Endpoint"), for the problems that
+// Load's check finds in their values.
+func decode(data []byte, out any) (map[string]int, error) {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return err
+		return nil, err
 	}
 	if len(doc.Content) == 0 {
 		// An empty file (or one of comments only) sets nothing; Validate says what is missing.
-		return nil
+		return nil, nil
 	}
-	d := &decoder{}
+	d := &decoder{lines: map[string]int{}}
 	v := d.value(doc.Content[0], reflect.TypeOf(out).Elem(), "")
 	if len(d.problems) > 0 {
-		return &problems{list: d.problems}
+		return nil, &problems{list: d.problems}
 	}
 	j, err := json.Marshal(v)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return json.Unmarshal(j, out)
+	return d.lines, json.Unmarshal(j, out)
 }
 
 // problems is every problem found in one file, one per line of the message.
@@ -55,6 +57,7 @@ func (p *problems) Unwrap() []error { return p.list }
 // decodes: maps, slices, strings, numbers and bools, with a json.RawMessage for each json.Unmarshaler.
 type decoder struct {
 	problems []error
+	lines    map[string]int
 }
 
 var jsonUnmarshaler = reflect.TypeFor[json.Unmarshaler]()
@@ -162,6 +165,7 @@ func (d *decoder) structValue(n *yaml.Node, t reflect.Type, path string) any {
 			d.unknownField(key, path, fields)
 			return
 		}
+		d.lines[join(path, key.Value)] = key.Line
 		// A field set to null is a field left out: encoding/json would hand a Duration's UnmarshalJSON
 		// "null" to parse.
 		if v := d.value(val, ft, join(path, key.Value)); v != nil {

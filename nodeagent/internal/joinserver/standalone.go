@@ -81,11 +81,42 @@ func LoadServiceConfig(path string) (*ServiceConfig, error) {
 		if c.PolicyConfigMap == "" {
 			c.PolicyConfigMap = "berth-join-policy"
 		}
-		return c.Validate()
+		return errors.Join(c.Validate(), c.checkFiles())
 	}); err != nil {
 		return nil, err
 	}
 	return &c, nil
+}
+
+// checkFiles says which of the files the configuration names cannot be read, all at once: the service
+// would otherwise stop at the first when it starts, one restart per file.
+func (c *ServiceConfig) checkFiles() error {
+	files := []struct{ name, path string }{
+		{"kubeconfig", c.Kubeconfig}, {"kubernetesCA", c.KubernetesCA}, {"kubernetesCAKey", c.KubernetesCAKey},
+		{"rootKeyFile", c.RootKeyFile}, {"joinCACertificate", c.JoinCACertificate}, {"ekCABundle", c.EKCABundle},
+		{"policyFile", c.PolicyFile}, {"inventoryFile", c.InventoryFile},
+	}
+	if c.CFSSL != nil {
+		files = append(files, struct{ name, path string }{"cfssl.authKeyFile", c.CFSSL.AuthKeyFile})
+	}
+	var errs []error
+	for _, f := range files {
+		if f.path == "" {
+			continue
+		}
+		file, err := os.Open(f.path)
+		if err == nil {
+			var fi os.FileInfo
+			if fi, err = file.Stat(); err == nil && !fi.Mode().IsRegular() {
+				err = fmt.Errorf("%s is not a regular file", f.path)
+			}
+			file.Close()
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", f.name, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Validate says everything that is missing or wrong at once.
@@ -120,6 +151,10 @@ func (c *ServiceConfig) Validate() error {
 	}
 	if (c.InventoryFile == "") == (c.MetadataURL == "") {
 		errs = append(errs, errors.New("set exactly one of inventoryFile and metadataURL"))
+	}
+	errs = append(errs, platform.CheckEndpoints("", map[string]string{"metadataURL": c.MetadataURL})...)
+	if c.Timeout.Duration < 0 {
+		errs = append(errs, fmt.Errorf("timeout: %v is negative: want a duration such as 30s, or leave it out for the default", c.Timeout.Duration))
 	}
 	if (c.CFSSL == nil) == (c.KubernetesCAKey == "") {
 		errs = append(errs, errors.New("set exactly one of cfssl and kubernetesCAKey: kubelet certificates are signed by one of them"))

@@ -18,23 +18,40 @@ import (
 	"github.com/berthlabs/berth/internal/clustersecrets"
 )
 
-const validServiceConfig = `listen: 10.0.0.5:7450
-inventoryFile: /etc/berth/inventory.yaml
+// serviceConfigTemplate is a valid configuration once DIR is a directory holding the files it names
+// (serviceFiles).
+const serviceConfigTemplate = `listen: 10.0.0.5:7450
+inventoryFile: DIR/inventory.yaml
 apiServerEndpoint: 10.0.0.5:6443
-kubeconfig: /etc/berth/join-service.kubeconfig
-kubernetesCA: /etc/berth/cluster-ca.pem
-cfssl: {url: "http://10.0.0.5:8888", profile: kubelet, authKeyFile: /etc/berth/cfssl.key}
-rootKeyFile: /etc/berth/root-key
-joinCACertificate: /etc/berth/join-ca.pem
-ekCABundle: /etc/berth/ek-ca.pem
-policyFile: /etc/berth/join-policy.yaml
+kubeconfig: DIR/join-service.kubeconfig
+kubernetesCA: DIR/cluster-ca.pem
+cfssl: {url: "http://10.0.0.5:8888", profile: kubelet, authKeyFile: DIR/cfssl.key}
+rootKeyFile: DIR/root-key
+joinCACertificate: DIR/join-ca.pem
+ekCABundle: DIR/ek-ca.pem
+policyFile: DIR/join-policy.yaml
 clusterDNS: [10.96.0.10]
 clusterDomain: cluster.local
 timeout: 20s
 `
 
+var serviceFiles = []string{"inventory.yaml", "join-service.kubeconfig", "cluster-ca.pem", "cfssl.key", "root-key",
+	"join-ca.pem", "ek-ca.pem", "join-policy.yaml"}
+
+// validServiceConfig is serviceConfigTemplate with the files it names, empty, in a directory of the test's.
+func validServiceConfig(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	for _, name := range serviceFiles {
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return strings.ReplaceAll(serviceConfigTemplate, "DIR", dir)
+}
+
 func TestLoadServiceConfig(t *testing.T) {
-	c, err := LoadServiceConfig(writeConfig(t, validServiceConfig))
+	c, err := LoadServiceConfig(writeConfig(t, validServiceConfig(t)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,6 +61,9 @@ func TestLoadServiceConfig(t *testing.T) {
 }
 
 func TestLoadServiceConfigRefusals(t *testing.T) {
+	validServiceConfig := validServiceConfig(t)
+	// Every file that cannot be read is named at once, with the line that names it.
+	unreadable := strings.NewReplacer("/root-key", "/absent-root-key", "/ek-ca.pem", "/", "/join-policy.yaml", "/absent-policy.yaml").Replace(validServiceConfig)
 	tests := []struct {
 		name    string
 		content string
@@ -60,6 +80,11 @@ func TestLoadServiceConfigRefusals(t *testing.T) {
 		{"both record sources", validServiceConfig + "metadataURL: http://10.0.0.5:7400\n", []string{"set exactly one of inventoryFile and metadataURL"}},
 		{"incomplete cfssl", strings.Replace(validServiceConfig, "profile: kubelet, ", "", 1), []string{"cfssl needs url, profile and authKeyFile"}},
 		{"DNS not an IP", strings.Replace(validServiceConfig, "[10.96.0.10]", "[kube-dns]", 1), []string{`clusterDNS: "kube-dns" is not an IP address`}},
+		{"metadata URL not http and a negative timeout", strings.Replace(strings.Replace(validServiceConfig, "inventoryFile: ", "# ", 1),
+			"timeout: 20s", "timeout: -20s\nmetadataURL: 10.0.0.5:7400", 1),
+			[]string{`line 14: metadataURL "10.0.0.5:7400" is not an http(s) URL`, "line 13: timeout: -20s is negative"}},
+		{"files that cannot be read", unreadable, []string{"line 7: rootKeyFile: open ", "absent-root-key: no such file or directory",
+			"line 9: ekCABundle: ", "is not a regular file", "line 10: policyFile: open ", "absent-policy.yaml: no such file or directory"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

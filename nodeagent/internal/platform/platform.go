@@ -91,8 +91,8 @@ func ReadCABundle(bundle string) (roots, intermediates *x509.CertPool, err error
 	return roots, intermediates, nil
 }
 
-// CheckEndpoints says which of the endpoints, set in the configuration block named section, are not http(s)
-// URLs.
+// CheckEndpoints says which of the endpoints, set in the configuration block named section (empty: the top
+// level), are not http(s) URLs.
 func CheckEndpoints(section string, endpoints map[string]string) []error {
 	var errs []error
 	for _, name := range slices.Sorted(maps.Keys(endpoints)) {
@@ -100,8 +100,11 @@ func CheckEndpoints(section string, endpoints map[string]string) []error {
 		if ep == "" {
 			continue
 		}
+		if section != "" {
+			name = section + "." + name
+		}
 		if u, err := url.Parse(ep); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			errs = append(errs, fmt.Errorf("%s.%s %q is not an http(s) URL", section, name, ep))
+			errs = append(errs, fmt.Errorf("%s %q is not an http(s) URL", name, ep))
 		}
 	}
 	return errs

@@ -341,7 +341,8 @@ func (h *Host) writeServiceNode() {
 		}
 	}
 	cfg := map[string]any{
-		"metadataURL": h.MetaURL, "stateDisk": "unused: the join service opens no disk",
+		// The join service opens no disk, but its configuration is an agent's, which names one.
+		"metadataURL": h.MetaURL, "stateDisk": filepath.Join(h.dir, "unused-state-disk"),
 		"paths":         map[string]string{"state": paths.State, "kubernetesDir": paths.KubernetesDir, "kubeletDir": paths.KubeletDir},
 		"sourceAddress": "127.0.0.1", "joinListenHost": "127.0.0.1",
 		"ekCABundle": filepath.Join(h.dir, "ek-ca.pem"), "kubeconfig": filepath.Join(h.dir, "admin.conf"),
