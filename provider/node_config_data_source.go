@@ -11,6 +11,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
 	"github.com/berthlabs/berth/internal/cloudinit"
+	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/provider/internal/platform"
 )
@@ -150,16 +151,61 @@ func (d *nodeConfigDataSource) Schema(_ context.Context, _ datasource.SchemaRequ
 // ValidateConfig refuses what cannot work before anything is read. Terraform validates again with every value
 // known before it reads the data source, so values unknown here are checked then.
 func (d *nodeConfigDataSource) ValidateConfig(ctx context.Context, req datasource.ValidateConfigRequest, resp *datasource.ValidateConfigResponse) {
-	var hostname, initSecretHash, role types.String
+	var hostname, initSecretHash, role, clusterName, pin types.String
 	var bareMetal types.Bool
+	var joinPort types.Int64
 	var endpoints types.List
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("hostname"), &hostname)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("role"), &role)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("init_secret_hash"), &initSecretHash)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("bare_metal"), &bareMetal)...)
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("join_endpoints"), &endpoints)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("cluster_name"), &clusterName)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("join_ca_pin"), &pin)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("join_port"), &joinPort)...)
 	if resp.Diagnostics.HasError() {
 		return
+	}
+	// Each value that Read's rendering would refuse, on its own attribute and all at once.
+	if known(clusterName) {
+		if err := clustername.Validate(clusterName.ValueString()); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("cluster_name"), "Invalid cluster name", err.Error())
+		}
+	}
+	if known(pin) {
+		if err := metadata.ValidatePin(pin.ValueString()); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("join_ca_pin"), "Invalid join CA pin",
+				err.Error()+": use berth_secrets' join_ca_pin.")
+		}
+	}
+	if known(joinPort) {
+		if p := joinPort.ValueInt64(); p < 1 || p > 65535 {
+			resp.Diagnostics.AddAttributeError(path.Root("join_port"), "Invalid join port",
+				fmt.Sprintf("join_port is %d, want 1 to 65535.", p))
+		}
+	}
+	if known(initSecretHash) {
+		if err := metadata.ValidateArgon2idPHC(initSecretHash.ValueString()); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("init_secret_hash"), "Invalid init secret hash",
+				err.Error()+": use berth_secrets' init_secret_hash.")
+		}
+	}
+	if known(endpoints) {
+		seen := map[string]bool{}
+		for i, e := range endpoints.Elements() {
+			ep, ok := e.(types.String)
+			if !ok || !known(ep) {
+				continue
+			}
+			at := path.Root("join_endpoints").AtListIndex(i)
+			if err := metadata.ValidateEndpoint(ep.ValueString()); err != nil {
+				resp.Diagnostics.AddAttributeError(at, "Invalid join endpoint", err.Error())
+			} else if seen[ep.ValueString()] {
+				resp.Diagnostics.AddAttributeError(at, "Join endpoint listed twice",
+					fmt.Sprintf("join endpoint %q is listed twice.", ep.ValueString()))
+			}
+			seen[ep.ValueString()] = true
+		}
 	}
 	if known(hostname) {
 		if err := cloudinit.ValidateHostname(hostname.ValueString()); err != nil {
@@ -204,6 +250,7 @@ func (d *nodeConfigDataSource) Read(ctx context.Context, req datasource.ReadRequ
 	if m.BareMetal.IsNull() {
 		m.BareMetal = types.BoolValue(false)
 	}
+	// ValidateConfig refused it already; the conversion below must never wrap.
 	if p := m.JoinPort.ValueInt64(); p < 1 || p > 65535 {
 		resp.Diagnostics.AddAttributeError(path.Root("join_port"), "Invalid join port",
 			fmt.Sprintf("join_port is %d, want 1 to 65535.", p))

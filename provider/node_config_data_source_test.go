@@ -383,3 +383,31 @@ func TestNodeConfigInstanceGroups(t *testing.T) {
 		},
 	})
 }
+
+// TestNodeConfigEveryMistakeAtOnce: one plan names every wrong value, each on its attribute, before the data
+// source is read.
+func TestNodeConfigEveryMistakeAtOnce(t *testing.T) {
+	t.Parallel()
+	resource.UnitTest(t, resource.TestCase{
+		ProtoV6ProviderFactories: providers,
+		Steps: []resource.TestStep{{
+			Config: `
+data "berth_node_config" "node" {
+  cluster_name     = "Prod!"
+  join_ca_pin      = "sha256:xyz"
+  join_port        = 70000
+  init_secret_hash = "plain-secret"
+  join_endpoints   = ["join.example.internal:7450", "no-port", "join.example.internal:7450"]
+}
+`,
+			ExpectError: regexp.MustCompile(`(?s)` + strings.Join([]string{
+				`Error: Invalid cluster name.*cluster_name\s+=\s+"Prod!"`,
+				`Error: Invalid join CA pin.*join_ca_pin\s+=.*` + phrase(`join CA pin "sha256:xyz": digest has 3 characters, want 64 hex: use berth_secrets' join_ca_pin.`).String(),
+				`Error: Invalid join port.*join_port\s+=.*` + phrase("join_port is 70000, want 1 to 65535.").String(),
+				`Error: Invalid init secret hash.*init_secret_hash\s+=.*` + phrase("init secret hash is not an argon2id PHC string").String(),
+				`Error: Invalid join endpoint.*join_endpoints\s+=.*` + phrase(`join endpoint "no-port" is not host:port`).String(),
+				`Error: Join endpoint listed twice.*` + phrase(`join endpoint "join.example.internal:7450" is listed twice.`).String(),
+			}, ".*")),
+		}},
+	})
+}

@@ -166,7 +166,7 @@ func (u UserData) Validate() error {
 	}
 	seen := make(map[string]bool, len(u.JoinEndpoints))
 	for _, ep := range u.JoinEndpoints {
-		if err := validateEndpoint(ep); err != nil {
+		if err := ValidateEndpoint(ep); err != nil {
 			return err
 		}
 		if seen[ep] {
@@ -177,11 +177,11 @@ func (u UserData) Validate() error {
 	if u.JoinPort == 0 {
 		return errors.New("join port is 0")
 	}
-	if err := validatePin(u.JoinCAPin); err != nil {
+	if err := ValidatePin(u.JoinCAPin); err != nil {
 		return err
 	}
 	if u.InitSecretHash != "" {
-		if err := validateArgon2idPHC(u.InitSecretHash); err != nil {
+		if err := ValidateArgon2idPHC(u.InitSecretHash); err != nil {
 			return err
 		}
 	}
@@ -220,7 +220,8 @@ func ValidateInstanceGroup(key string) error {
 	return nil
 }
 
-func validateEndpoint(ep string) error {
+// ValidateEndpoint checks a join endpoint, host:port with a port from 1 to 65535.
+func ValidateEndpoint(ep string) error {
 	host, port, err := net.SplitHostPort(ep)
 	if err != nil {
 		return fmt.Errorf("join endpoint %q is not host:port: %w", ep, err)
@@ -240,7 +241,8 @@ func validateEndpoint(ep string) error {
 
 const pinPrefix = "sha256:"
 
-func validatePin(pin string) error {
+// ValidatePin checks a join CA pin, "sha256:" and 64 lowercase hex digits.
+func ValidatePin(pin string) error {
 	if pin == "" {
 		return errors.New("join CA pin is empty")
 	}
@@ -257,10 +259,10 @@ func validatePin(pin string) error {
 	return nil
 }
 
-// validateArgon2idPHC checks the shape of "$argon2id$v=19$m=…,t=…,p=…$salt$hash".
+// ValidateArgon2idPHC checks the shape of "$argon2id$v=19$m=…,t=…,p=…$salt$hash".
 // The hash is not secret, but errors still leave it out: it is of no use to a
 // reader and makes offline guessing of a weak init secret possible.
-func validateArgon2idPHC(s string) error {
+func ValidateArgon2idPHC(s string) error {
 	parts := strings.Split(s, "$")
 	if len(parts) != 6 || parts[0] != "" || parts[1] != "argon2id" {
 		return errors.New("init secret hash is not an argon2id PHC string ($argon2id$v=19$m=…,t=…,p=…$salt$hash)")
