@@ -21,6 +21,7 @@ import (
 	"math/big"
 	"time"
 
+	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/pki"
 )
 
@@ -39,9 +40,11 @@ const (
 
 // Secrets are what a root key yields.
 type Secrets struct {
-	MasterSecret    []byte
-	Salt            []byte
-	InitSecret      string // base64url, as operators and the init server handle it
+	MasterSecret []byte
+	Salt         []byte
+	InitSecret   string // base64url, as operators and the init server handle it
+	// InitSecretSalt salts the init secret's hash, so that the same root key always gives the same hash.
+	InitSecretSalt  []byte
 	KubernetesCAKey *ecdsa.PrivateKey
 	JoinCAKey       *ecdsa.PrivateKey
 }
@@ -64,6 +67,9 @@ func Derive(root []byte) (*Secrets, error) {
 		return nil, err
 	}
 	s.InitSecret = base64.RawURLEncoding.EncodeToString(init)
+	if s.InitSecretSalt, err = expand(root, "init-secret-hash-salt", initsecret.SaltSize); err != nil {
+		return nil, err
+	}
 	if s.KubernetesCAKey, err = p256Key(root, "kubernetes-ca"); err != nil {
 		return nil, err
 	}
@@ -71,6 +77,13 @@ func Derive(root []byte) (*Secrets, error) {
 		return nil, err
 	}
 	return s, nil
+}
+
+// InitSecretHash is the argon2id hash of the init secret that the first control-plane node's user-data
+// carries. It is the same for every run from the same root key: made again at an import, it must not
+// change that user-data, which would replace the node.
+func (s *Secrets) InitSecretHash() (string, error) {
+	return initsecret.HashWithSalt([]byte(s.InitSecret), s.InitSecretSalt)
 }
 
 // NewCAs makes the cluster's CA certificates for the derived keys; done once, the certificates are public

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/pki"
 )
 
@@ -68,6 +69,41 @@ func TestDeriveIsStableAndSeparated(t *testing.T) {
 	}
 	if new(big.Int).SetBytes(raw).Cmp(d) != 0 {
 		t.Error("the Kubernetes CA key is not the reduced HKDF output")
+	}
+}
+
+// TestInitSecretHashIsStable: an import makes the hash again from the root key, and the first control-plane
+// node's user-data, which carries the hash, must come out unchanged.
+func TestInitSecretHashIsStable(t *testing.T) {
+	hash := func(r []byte) string {
+		t.Helper()
+		s, err := Derive(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := s.InitSecretHash()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok, err := initsecret.Verify(h, []byte(s.InitSecret)); !ok || err != nil {
+			t.Fatalf("the hash %q does not verify the init secret: %v", h, err)
+		}
+		return h
+	}
+	first, again, other := hash(root(1)), hash(root(1)), hash(root(2))
+	if first != again {
+		t.Errorf("the same root key gave two hashes: %q, %q", first, again)
+	}
+	if first == other {
+		t.Error("two root keys gave the same hash")
+	}
+	// The salt is not the init secret's own bytes, nor another derivation's.
+	s, err := Derive(root(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := hkdfExpand(t, root(1), "berth/v1/root/init-secret-hash-salt", initsecret.SaltSize); !bytes.Equal(s.InitSecretSalt, want) {
+		t.Errorf("init secret salt %x, want HKDF-SHA256 %x", s.InitSecretSalt, want)
 	}
 }
 

@@ -23,11 +23,13 @@ import (
 // argon2id with 64 MiB and two passes (above OWASP's 2023 minimum of 19 MiB, t=2, p=1) is
 // defense in depth for an operator who sets a secret of their own, while staying cheap enough
 // for a node that checks one init request.
+// SaltSize is the length of the salt in the hashes this package makes.
+const SaltSize = 16
+
 const (
 	hashMemory  = 64 * 1024 // KiB
 	hashTime    = 2
 	hashThreads = 1
-	hashSaltLen = 16
 	hashKeyLen  = 32
 	secretLen   = 32
 )
@@ -73,12 +75,22 @@ func NewSecret() (string, error) {
 
 // Hash returns the argon2id PHC string of secret, with a new random salt.
 func Hash(secret []byte) (string, error) {
+	salt := make([]byte, SaltSize)
+	if _, err := rand.Read(salt); err != nil {
+		return "", fmt.Errorf("hashing init secret: generating salt: %w", err)
+	}
+	return HashWithSalt(secret, salt)
+}
+
+// HashWithSalt is Hash with a salt of SaltSize bytes the caller derives, for a hash that must come out the
+// same each time it is made again (berth_secrets, imported from its root key, must reproduce the hash the
+// first control-plane node's user-data already carries).
+func HashWithSalt(secret, salt []byte) (string, error) {
 	if len(secret) == 0 {
 		return "", errors.New("hashing init secret: secret is empty")
 	}
-	salt := make([]byte, hashSaltLen)
-	if _, err := rand.Read(salt); err != nil {
-		return "", fmt.Errorf("hashing init secret: generating salt: %w", err)
+	if len(salt) != SaltSize {
+		return "", fmt.Errorf("hashing init secret: salt is %d bytes, want %d", len(salt), SaltSize)
 	}
 	h := phc{memory: hashMemory, time: hashTime, threads: hashThreads, salt: salt}
 	h.hash = argon2.IDKey(secret, h.salt, h.time, h.memory, h.threads, hashKeyLen)
