@@ -1,10 +1,13 @@
 // Package clusterinfo is the record a Berth cluster keeps of itself in its own API server: its ID and name,
-// in the ConfigMap kube-system/berth-cluster.
+// the settings of its init and its join CA certificate, in the ConfigMap kube-system/berth-cluster.
 //
 // The first control-plane node writes it during init, before the init client gets its result, so the
 // record exists as soon as anyone holds the admin kubeconfig. The Terraform provider reads it to tell
 // whether the API server behind a kubeconfig is still the cluster it initialized: a cluster that was torn
-// down and initialized again from another root key answers at the same address with another ID.
+// down and initialized again from another root key answers at the same address with another ID. An import
+// of berth_secrets or berth_cluster, after Terraform state was lost, reads the rest: nothing in it is
+// secret, and nothing else outside the nodes' disks holds the join CA certificate or the init settings as
+// the provider sent them.
 package clusterinfo
 
 import (
@@ -26,6 +29,14 @@ const (
 	Name      = "berth-cluster"
 	keyID     = "clusterID"
 	keyName   = "clusterName"
+	// The init's settings, as the init request gave them ("" where it left one to the node).
+	keyKubernetesVersion    = "kubernetesVersion"
+	keyControlPlaneEndpoint = "controlPlaneEndpoint"
+	keyPodSubnet            = "podSubnet"
+	keyServiceSubnet        = "serviceSubnet"
+	keyPodNetwork           = "podNetwork"
+	keyAPIServerEndpoint    = "apiServerEndpoint"
+	keyJoinCACertificate    = "joinCACertificate"
 )
 
 // idLen is the length of keys.ClusterIDOf's hex ID.
@@ -39,6 +50,33 @@ var ErrNotFound = errors.New("the API server holds no Berth cluster record (Conf
 type Info struct {
 	ID   string
 	Name string
+	// Init is empty in the records of clusters initialized before it was written.
+	Init InitSettings
+}
+
+// InitSettings are what the first control-plane node acted on at init, and the join CA certificate (PEM)
+// it was sent.
+type InitSettings struct {
+	KubernetesVersion    string
+	ControlPlaneEndpoint string
+	PodSubnet            string
+	ServiceSubnet        string
+	PodNetwork           string
+	APIServerEndpoint    string
+	JoinCACertificate    string
+}
+
+// keys pairs each setting with its key in the record.
+func (s *InitSettings) keys() map[string]*string {
+	return map[string]*string{
+		keyKubernetesVersion:    &s.KubernetesVersion,
+		keyControlPlaneEndpoint: &s.ControlPlaneEndpoint,
+		keyPodSubnet:            &s.PodSubnet,
+		keyServiceSubnet:        &s.ServiceSubnet,
+		keyPodNetwork:           &s.PodNetwork,
+		keyAPIServerEndpoint:    &s.APIServerEndpoint,
+		keyJoinCACertificate:    &s.JoinCACertificate,
+	}
 }
 
 // Validate checks that i is a record a Berth init could have written.
@@ -72,6 +110,11 @@ func Publish(ctx context.Context, kube kubernetes.Interface, info Info) error {
 			Labels: map[string]string{"app.kubernetes.io/managed-by": "berth"}},
 		Data: map[string]string{keyID: info.ID, keyName: info.Name},
 	}
+	if info.Init != (InitSettings{}) {
+		for key, v := range info.Init.keys() {
+			cm.Data[key] = *v
+		}
+	}
 	_, err := kube.CoreV1().ConfigMaps(Namespace).Create(ctx, cm, metav1.CreateOptions{})
 	if !apierrors.IsAlreadyExists(err) {
 		if err != nil {
@@ -99,6 +142,9 @@ func Read(ctx context.Context, kube kubernetes.Interface) (Info, error) {
 		return Info{}, fmt.Errorf("reading the cluster record: %w", err)
 	}
 	info := Info{ID: cm.Data[keyID], Name: cm.Data[keyName]}
+	for key, v := range info.Init.keys() {
+		*v = cm.Data[key]
+	}
 	if err := info.Validate(); err != nil {
 		return Info{}, fmt.Errorf("the cluster record %s/%s is damaged: %w", Namespace, Name, err)
 	}

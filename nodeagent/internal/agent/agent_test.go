@@ -197,8 +197,10 @@ func TestBootInitThenJoin(t *testing.T) {
 	if len(result.Kubeconfig) == 0 || len(progress) == 0 {
 		t.Fatalf("init result %v, progress %q", result, progress)
 	}
-	if info, err := clusterinfo.Read(ctx, kube); err != nil || info != (clusterinfo.Info{ID: result.ClusterId, Name: "boot"}) {
-		t.Errorf("cluster record after init: %+v (%v), want cluster %s named boot", info, err, result.ClusterId)
+	if info, err := clusterinfo.Read(ctx, kube); err != nil || info.ID != result.ClusterId || info.Name != "boot" ||
+		info.Init.JoinCACertificate != string(joinCA.CertPEM()) || info.Init.KubernetesVersion != repotest.KubernetesVersion ||
+		info.Init.APIServerEndpoint != result.ApiServerEndpoint {
+		t.Errorf("cluster record after init: %+v (%v), want cluster %s named boot with its init settings", info, err, result.ClusterId)
 	}
 
 	if err := worker.agent.Boot(ctx); err != nil {

@@ -102,8 +102,8 @@ func FuzzValidateRequest(f *testing.F) {
 		if err != nil || !bytes.Equal(p.diskKey, wantKey) {
 			t.Fatalf("disk key is not the one derived from the request (%v)", err)
 		}
-		if id, err := keys.ClusterIDOf(master, salt); err != nil || p.clusterID != id {
-			t.Fatalf("cluster ID %q, want %q (%v)", p.clusterID, id, err)
+		if id, err := keys.ClusterIDOf(master, salt); err != nil || p.record.ID != id {
+			t.Fatalf("cluster ID %q, want %q (%v)", p.record.ID, id, err)
 		}
 		wantEndpoint := endpoint
 		if wantEndpoint == "" {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
@@ -34,8 +35,8 @@ var kubernetesVersion = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9
 // plan is a checked init request with everything derived from it: nothing in it can fail to apply for a
 // reason the request could have shown.
 type plan struct {
-	clusterID     string
-	clusterName   string
+	// record is what the cluster keeps of itself (clusterinfo), written right after kubeadm init.
+	record        clusterinfo.Info
 	diskKey       []byte
 	kubeCA        *pki.CA
 	kubeCAKeyPEM  []byte
@@ -135,16 +136,24 @@ func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base k
 	if err != nil {
 		return nil, fmt.Errorf("join CA: %w", err)
 	}
+	podNetwork := cmp.Or(req.PodNetwork, podnetwork.None)
 	return &plan{
-		clusterID:     clusterID,
-		clusterName:   req.ClusterName,
+		record: clusterinfo.Info{ID: clusterID, Name: req.ClusterName, Init: clusterinfo.InitSettings{
+			KubernetesVersion:    req.KubernetesVersion,
+			ControlPlaneEndpoint: req.ControlPlaneEndpoint,
+			PodSubnet:            req.PodSubnet,
+			ServiceSubnet:        req.ServiceSubnet,
+			PodNetwork:           podNetwork,
+			APIServerEndpoint:    endpoint,
+			JoinCACertificate:    string(joinCA.CertPEM()),
+		}},
 		diskKey:       diskKey,
 		kubeCA:        kubeCA,
 		kubeCAKeyPEM:  kubeKeyPEM,
 		kubeadmConfig: config,
 		apiEndpoint:   endpoint,
 		joinPolicy:    req.JoinPolicy,
-		podNetwork:    cmp.Or(req.PodNetwork, podnetwork.None),
+		podNetwork:    podNetwork,
 		podSubnet:     cmp.Or(req.PodSubnet, kubeadm.DefaultPodSubnet),
 		secrets: &nodestate.ClusterSecrets{
 			MasterSecret:      req.MasterSecret,

@@ -320,7 +320,7 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 		outcome = ResultLocked
 		return status.Error(codes.FailedPrecondition, "node is already a cluster member (or joining)")
 	}
-	log = log.With("cluster", p.clusterID)
+	log = log.With("cluster", p.record.ID)
 	log.Info("node lock taken: initializing the cluster", "kubernetes_version", p.secrets.KubernetesVersion,
 		"api_server_endpoint", p.apiEndpoint)
 
@@ -334,7 +334,7 @@ func (s *Server) Init(st berthv1.InitService_InitServer) error {
 		return status.Errorf(codes.Internal,
 			"init failed after the node was committed: it is half-initialized and refuses every further init; replace it: %v", err)
 	}
-	result := &berthv1.InitResult{Kubeconfig: kubeconfig, ClusterId: p.clusterID, ApiServerEndpoint: p.apiEndpoint}
+	result := &berthv1.InitResult{Kubeconfig: kubeconfig, ClusterId: p.record.ID, ApiServerEndpoint: p.apiEndpoint}
 	if err := st.Send(&berthv1.InitServerMessage{Msg: &berthv1.InitServerMessage_Result{Result: result}}); err != nil {
 		log.Warn("the node is initialized, but its result did not reach the client", "error", err)
 	}
@@ -446,7 +446,7 @@ func (s *Server) initialize(ctx context.Context, log *slog.Logger, p *plan, prog
 	if err != nil {
 		return nil, nil, fmt.Errorf("reading the admin kubeconfig kubeadm wrote: %w", err)
 	}
-	if err := s.cfg.Recorder.RecordCluster(ctx, clusterinfo.Info{ID: p.clusterID, Name: p.clusterName}); err != nil {
+	if err := s.cfg.Recorder.RecordCluster(ctx, p.record); err != nil {
 		return nil, nil, err
 	}
 	log.Info("cluster record published", "configmap", clusterinfo.Namespace+"/"+clusterinfo.Name)
@@ -467,7 +467,7 @@ func (s *Server) initialize(ctx context.Context, log *slog.Logger, p *plan, prog
 		}
 	}
 	// The membership record comes last: its presence means the node is complete.
-	state := &nodestate.State{ClusterID: p.clusterID, NodeName: s.cfg.Self.Instance.Name,
+	state := &nodestate.State{ClusterID: p.record.ID, NodeName: s.cfg.Self.Instance.Name,
 		Role: string(metadata.RoleControlPlane), Via: nodestate.OwnerInit, Since: s.cfg.Clock().UTC()}
 	if err := nodestate.Write(paths.State, state); err != nil {
 		return nil, nil, err

@@ -310,7 +310,12 @@ func TestInit(t *testing.T) {
 		}
 		checkDiskKeyed(t, n, req)
 		checkFiles(t, f, n, req, wantID)
-		if want := (clusterinfo.Info{ID: wantID, Name: req.ClusterName}); !slices.Equal(n.kubeadm.records, []clusterinfo.Info{want}) {
+		// The record keeps the settings as the request gave them, and the join CA an import of the cluster
+		// finds nowhere else.
+		want := clusterinfo.Info{ID: wantID, Name: req.ClusterName, Init: clusterinfo.InitSettings{
+			KubernetesVersion: req.KubernetesVersion, PodSubnet: req.PodSubnet, ServiceSubnet: req.ServiceSubnet,
+			PodNetwork: "none", APIServerEndpoint: "192.0.2.10:6443", JoinCACertificate: string(req.JoinCaCertificate)}}
+		if !slices.Equal(n.kubeadm.records, []clusterinfo.Info{want}) {
 			t.Errorf("cluster records published: %+v, want %+v", n.kubeadm.records, want)
 		}
 		// A request without a pod network is one from a provider before them: those clusters got none.
