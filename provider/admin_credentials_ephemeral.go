@@ -263,14 +263,19 @@ func (e *adminCredentialsEphemeralResource) Open(ctx context.Context, req epheme
 	resp.Diagnostics.Append(resp.Result.Set(ctx, &m)...)
 }
 
-// kubernetesCA pairs the kept Kubernetes CA certificate with the key root derives, refusing a root key that
-// did not make the certificate.
-func kubernetesCA(rootKey, certPEM string) (*pki.CA, error) {
+// deriveSecrets derives the secrets of a root key written as the provider takes it (base64).
+func deriveSecrets(rootKey string) (*clustersecrets.Secrets, error) {
 	root, err := clustersecrets.ParseRootKey(rootKey)
 	if err != nil {
 		return nil, err
 	}
-	secrets, err := clustersecrets.Derive(root)
+	return clustersecrets.Derive(root)
+}
+
+// kubernetesCA pairs the kept Kubernetes CA certificate with the key root derives, refusing a root key that
+// did not make the certificate.
+func kubernetesCA(rootKey, certPEM string) (*pki.CA, error) {
+	secrets, err := deriveSecrets(rootKey)
 	if err != nil {
 		return nil, err
 	}

@@ -60,10 +60,13 @@ var (
 	_ resource.ResourceWithValidateConfig = (*clusterResource)(nil)
 	_ resource.ResourceWithModifyPlan     = (*clusterResource)(nil)
 	_ resource.ResourceWithImportState    = (*clusterResource)(nil)
+	_ resource.ResourceWithConfigure      = (*clusterResource)(nil)
 )
 
 // clusterResource is berth_cluster: the attested init of a cluster's first control-plane node.
-type clusterResource struct{}
+type clusterResource struct {
+	data *providerData
+}
 
 func newClusterResource() resource.Resource { return &clusterResource{} }
 
@@ -131,6 +134,12 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"a fresh node waits for init at `endpoint`) or that is another cluster (another ID, another CA) is " +
 			"removed from state, so the next apply plans a new init. An API server that does not answer is kept, " +
 			"with a warning: an outage must never plan a new cluster.\n\n" +
+			"Import (after Terraform state was lost) takes `<endpoint>` as ID, or `<endpoint>,<API server " +
+			"host:port>` for a cluster with a `control_plane_endpoint`, and the root key from the provider's " +
+			"`root_key`. The provider reaches the API server with admin credentials it mints from the root key, " +
+			"checks that the cluster is the root key's, and reads the init settings from the cluster record; " +
+			"what only the init used (`pcrs`, the TPM's trust) is written into state by the first apply after " +
+			"the import, which reaches no node. See the import guide.\n\n" +
 			"Destroying the resource only removes it from state: the machines belong to the infrastructure " +
 			"that made them, and that is where they are destroyed.",
 		Attributes: map[string]schema.Attribute{
@@ -218,7 +227,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				MarkdownDescription: "`host:port` of the API server."},
 			"kubeconfig": schema.StringAttribute{Computed: true, Sensitive: true, PlanModifiers: keep,
 				MarkdownDescription: "The admin kubeconfig kubeadm wrote (group `kubeadm:cluster-admins`, bound to " +
-					"`cluster-admin`). Sensitive, and kept in state: protect the state, or use " +
+					"`cluster-admin`), or after an import one the provider minted from the root key for a year " +
+					"(user `" + defaultAdminUser + "`, the same group; no longer than the CA). Sensitive, and kept in state: protect the state, or use " +
 					"`ephemeral.berth_admin_credentials`, which mints short-lived admin credentials at each run and " +
 					"stores none."},
 			"client_certificate": schema.StringAttribute{Computed: true, PlanModifiers: keep,
@@ -832,13 +842,88 @@ func (r *clusterResource) Delete(ctx context.Context, req resource.DeleteRequest
 	resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" removed from state only",
 		"berth_cluster does not stop or wipe machines: the cluster's nodes keep running until the infrastructure "+
 			"that made them (instances, autoscaling groups, managed instance groups) destroys them. Their state "+
-			"disks are encrypted with keys derived from the root key, so destroy or rotate the root key as your "+
-			"retention rules say.")
+			"disks are encrypted with keys derived from the root key: destroying every copy of the root key makes "+
+			"them unreadable, once your retention rules allow it.")
 }
 
-func (r *clusterResource) ImportState(_ context.Context, _ resource.ImportStateRequest, resp *resource.ImportStateResponse) {
-	resp.Diagnostics.AddError("berth_cluster cannot be imported",
-		"The node hands out the admin kubeconfig only once, as the result of its init, and nothing else can prove "+
-			"which init secret made the cluster. Keep managing the running cluster's join policy with "+
-			"berth_join_policy (which can be imported), or initialize a new cluster.")
+func (r *clusterResource) Configure(_ context.Context, req resource.ConfigureRequest, _ *resource.ConfigureResponse) {
+	if data, ok := req.ProviderData.(*providerData); ok {
+		r.data = data
+	}
+}
+
+// ImportState rebuilds the resource from the cluster's record (see readImportedCluster), with an admin
+// kubeconfig minted from the root key in place of the one kubeadm wrote, which never left the node but in
+// the init's result. What only the init used and the cluster does not keep (pcrs, the TPM's trust) stays
+// unset: the first apply after the import writes it into state, and reaches no node.
+func (r *clusterResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	endpoint, apiServer, err := clusterImportID(req.ID)
+	if err != nil {
+		resp.Diagnostics.AddError("Invalid import ID", err.Error()+". The ID is \"<endpoint>\", or "+
+			"\"<endpoint>,<API server host:port>\" for a cluster with a control_plane_endpoint.")
+		return
+	}
+	rootKey, ok := importRootKey(r.data, "berth_cluster", &resp.Diagnostics)
+	if !ok {
+		return
+	}
+	c, err := readImportedCluster(ctx, rootKey, apiServer)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
+		return
+	}
+	settings := c.record.Init
+	now := time.Now()
+	// A certificate cannot outlive its CA.
+	validity := min(importedKubeconfigValidity, c.kubeCA.Cert.NotAfter.Sub(now).Truncate(time.Hour))
+	admin := adminRequest{host: "https://" + settings.APIServerEndpoint, user: defaultAdminUser, validity: validity}
+	key, err := pki.NewKey()
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
+		return
+	}
+	cert, err := c.kubeCA.IssueClient(pki.ClientTemplate{CommonName: admin.user, Organization: []string{adminGroup}}, key.Public(), now, admin.validity)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
+		return
+	}
+	certPEM := pki.EncodeCertPEM(cert)
+	keyPEM, err := pki.EncodeKeyPEM(key)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
+		return
+	}
+	kubeconfig, err := adminKubeconfig(admin, c.kubeCA.CertPEM(), certPEM, keyPEM)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
+		return
+	}
+	optional := func(v string) types.String {
+		if v == "" {
+			return types.StringNull()
+		}
+		return types.StringValue(v)
+	}
+	for name, v := range map[string]types.String{
+		"endpoint":                  types.StringValue(endpoint),
+		"cluster_name":              types.StringValue(c.record.Name),
+		"kubernetes_version":        types.StringValue(settings.KubernetesVersion),
+		"control_plane_endpoint":    optional(settings.ControlPlaneEndpoint),
+		"pod_subnet":                optional(settings.PodSubnet),
+		"service_subnet":            optional(settings.ServiceSubnet),
+		"pod_network":               types.StringValue(settings.PodNetwork),
+		"kubernetes_ca_certificate": types.StringValue(string(c.kubeCA.CertPEM())),
+		"join_ca_certificate":       types.StringValue(string(c.joinCA.CertPEM())),
+		"init_timeout":              types.StringValue(defaultInitTimeout),
+		"id":                        types.StringValue(c.record.ID),
+		"cluster_id":                types.StringValue(c.record.ID),
+		"api_server_endpoint":       types.StringValue(settings.APIServerEndpoint),
+		"kubeconfig":                types.StringValue(string(kubeconfig)),
+		"client_certificate":        types.StringValue(string(certPEM)),
+		"client_key":                types.StringValue(string(keyPEM)),
+	} {
+		resp.Diagnostics.Append(resp.State.SetAttribute(ctx, path.Root(name), v)...)
+	}
+	tflog.Info(ctx, "imported berth_cluster", map[string]any{"cluster_id": c.record.ID, "api_server": apiServer,
+		"admin_certificate_expires_at": cert.NotAfter.UTC().Format(time.RFC3339)})
 }

@@ -136,7 +136,7 @@ func TestClusterResourceRefusals(t *testing.T) {
 				ResourceName:    "berth_cluster.test",
 				ImportState:     true,
 				ImportStateId:   "anything",
-				ExpectError:     regexp.MustCompile(`(?s)berth_cluster cannot be imported.*only once`),
+				ExpectError:     regexp.MustCompile(`(?s)Invalid import ID.*"anything" does not start with the init endpoint`),
 			},
 		},
 	})

@@ -164,8 +164,9 @@ type labWorker struct {
 // configuration of make lab, against a real lab. A machine of the wrong image is refused at init with the
 // PCR named; then the cluster is initialized, a worker joins, the policy drops an image and a worker of that
 // image is refused; the join policy imports; with another cluster's record, or none, in the cluster a plan
-// initializes a new cluster; with its own record back a plan shows no drift; destroy leaves no machine
-// behind. State and `terraform show -json` never hold a secret. A configuration that reaches the cluster only
+// initializes a new cluster; with its own record back a plan shows no drift; berth_secrets and berth_cluster,
+// imported into a new state from the root key and the addresses, agree with the state that made them;
+// destroy leaves no machine behind. State and `terraform show -json` never hold a secret. A configuration that reaches the cluster only
 // with berth_admin_credentials finds it healthy with berth_cluster_health, keeps no private key, and names
 // the refused worker as never admitted.
 func TestAccLab(t *testing.T) {
@@ -265,6 +266,7 @@ func TestAccLab(t *testing.T) {
 				nodesReady(ctx, dir, "cp-0", "worker-0"),
 				noSecretsInState(t, root, tfDirs),
 				labHealthy(t, root, "worker-0"),
+				importedAgrees(root, dir),
 			),
 		},
 		// The policy drops berthlab-b; the join service has it before the next step boots a node of it.

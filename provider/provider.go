@@ -22,6 +22,8 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/berthlabs/berth/internal/clustersecrets"
 )
 
 var (
@@ -60,6 +62,14 @@ func (p *berthProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp
 				MarkdownDescription: "Admin kubeconfig (its content, not a path) of the cluster, for the resources " +
 					"that write into it (`berth_join_policy`). Provider configuration is not stored in state.",
 			},
+			"root_key": schema.StringAttribute{
+				Optional:  true,
+				Sensitive: true,
+				MarkdownDescription: "The cluster's root key, for importing `berth_secrets` and `berth_cluster` " +
+					"after Terraform state was lost; nothing else reads it. Pass it from an `ephemeral` variable or " +
+					"an ephemeral read of the secret store that keeps it: provider configuration is never stored " +
+					"in state or plan. An import ID cannot carry it, because Terraform prints import IDs.",
+			},
 		},
 	}
 }
@@ -67,6 +77,7 @@ func (p *berthProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp
 // providerModel is the provider's configuration.
 type providerModel struct {
 	Kubeconfig types.String `tfsdk:"kubeconfig"`
+	RootKey    types.String `tfsdk:"root_key"`
 }
 
 // providerData is what resources get from Configure.
@@ -75,6 +86,8 @@ type providerData struct {
 	kube kubernetes.Interface
 	// kubeUnknown is a kubeconfig that is not known yet: one from a berth_cluster that this run creates.
 	kubeUnknown bool
+	// rootKey is the root key for imports, "" when none was configured.
+	rootKey string
 }
 
 // Configure connects to the cluster when a kubeconfig is given. Provider configuration is never stored in
@@ -85,7 +98,13 @@ func (p *berthProvider) Configure(ctx context.Context, req provider.ConfigureReq
 	if resp.Diagnostics.HasError() {
 		return
 	}
-	data := &providerData{kubeUnknown: cfg.Kubeconfig.IsUnknown()}
+	data := &providerData{kubeUnknown: cfg.Kubeconfig.IsUnknown(), rootKey: cfg.RootKey.ValueString()}
+	if data.rootKey != "" {
+		if _, err := clustersecrets.ParseRootKey(data.rootKey); err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("root_key"), "Invalid root key", err.Error())
+			return
+		}
+	}
 	if !cfg.Kubeconfig.IsNull() && !cfg.Kubeconfig.IsUnknown() {
 		rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(cfg.Kubeconfig.ValueString()))
 		if err != nil {

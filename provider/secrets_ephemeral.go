@@ -107,9 +107,8 @@ func (e *secretsEphemeralResource) Open(ctx context.Context, req ephemeral.OpenR
 	case errors.Is(err, clustersecrets.ErrWrongRootKey):
 		resp.Diagnostics.AddAttributeError(path.Root("root_key"), "Root key does not match berth_secrets",
 			"The root key given to ephemeral berth_secrets is not the one the CA certificates of resource "+
-				"berth_secrets were made from ("+err.Error()+"). Pass the same root key as berth_secrets.root_key_wo; "+
-				"to rotate the root key, change root_key_wo and bump root_key_wo_version so that berth_secrets "+
-				"makes new certificates.")
+				"berth_secrets were made from ("+err.Error()+"). Pass the same root key as berth_secrets.root_key_wo: "+
+				"a cluster's root key cannot be rotated, and another one is another cluster.")
 		return
 	case err != nil:
 		resp.Diagnostics.AddError("Invalid CA certificate",

@@ -3,6 +3,7 @@ package provider
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework/path"
@@ -13,9 +14,9 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-log/tflog"
 
 	"github.com/berthlabs/berth/internal/clustersecrets"
-	"github.com/berthlabs/berth/internal/initsecret"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/pki"
 )
@@ -30,11 +31,13 @@ var (
 	_ resource.Resource                   = (*secretsResource)(nil)
 	_ resource.ResourceWithValidateConfig = (*secretsResource)(nil)
 	_ resource.ResourceWithImportState    = (*secretsResource)(nil)
+	_ resource.ResourceWithConfigure      = (*secretsResource)(nil)
 )
 
 // secretsResource is berth_secrets: the public half of a cluster's secrets, made from a write-only root key.
 type secretsResource struct {
-	now func() time.Time
+	now  func() time.Time
+	data *providerData
 }
 
 func newSecretsResource() resource.Resource {
@@ -72,8 +75,13 @@ func (r *secretsResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"that you keep outside Terraform and pass as a write-only argument, so none of them is ever stored in " +
 			"state or plan. Get the secrets themselves, when another resource needs them, from the ephemeral " +
 			"resource `berth_secrets` with the same root key.\n\n" +
-			"The same root key always gives the same keys, pins and cluster ID; new CA certificates are made each " +
-			"time the resource is created. Requires Terraform 1.11 or later (write-only arguments).",
+			"The same root key always gives the same keys, pins, cluster ID and init secret hash; new CA " +
+			"certificates are made each time the resource is created. Requires Terraform 1.11 or later " +
+			"(write-only arguments).\n\n" +
+			"Import (after Terraform state was lost) takes the API server's `host:port` as ID and the root key " +
+			"from the provider's `root_key`: the provider reads the running cluster's CA certificates with " +
+			"admin credentials it mints from the root key, and keeps them only if their keys are the root " +
+			"key's.",
 		Attributes: map[string]schema.Attribute{
 			"root_key_wo": schema.StringAttribute{
 				Required:  true,
@@ -82,14 +90,19 @@ func (r *secretsResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				MarkdownDescription: "The root key: base64 (standard or URL-safe alphabet, padded or not) of at least " +
 					"32 random bytes, e.g. from `head -c 32 /dev/urandom | base64`. Write-only: Terraform never " +
 					"stores it. Pass it from an `ephemeral` variable or an ephemeral resource. Changing it alone " +
-					"changes nothing: bump `root_key_wo_version` to make new secrets.",
+					"changes nothing (see `root_key_wo_version`).",
 			},
 			"root_key_wo_version": schema.Int64Attribute{
 				Required: true,
-				MarkdownDescription: "Version of `root_key_wo`. Terraform cannot see a write-only value change, so " +
-					"change this number to rotate the root key; any change replaces the resource and so the " +
-					"cluster's CAs, pins, ID and init secret.",
-				PlanModifiers: []planmodifier.Int64{int64planmodifier.RequiresReplace()},
+				MarkdownDescription: "Version of `root_key_wo`: Terraform cannot see a write-only value change, so " +
+					"only a change of this number makes new secrets, by replacing the resource. Keep it for the " +
+					"life of the cluster: **a root key cannot be rotated**. A new one is a new cluster (new CAs, " +
+					"pins, ID and disk keys), which a running cluster refuses (`berth_cluster`: the CA certificates " +
+					"are fixed once the cluster exists). An import sets it to 1; a configuration with another " +
+					"number then changes only state.",
+				PlanModifiers: []planmodifier.Int64{int64planmodifier.RequiresReplaceIf(replaceUnlessImported,
+					"Changing the version replaces the resource, except right after an import.",
+					"Changing the version replaces the resource, except right after an import.")},
 			},
 			"ca_validity_days": schema.Int64Attribute{
 				Optional: true,
@@ -166,21 +179,15 @@ func (r *secretsResource) Create(ctx context.Context, req resource.CreateRequest
 		return
 	}
 	plan.RootKeyWO = types.StringNull()
-	plan.ID = types.StringValue(pub.clusterID)
-	plan.ClusterID = types.StringValue(pub.clusterID)
-	plan.KubernetesCACertificate = types.StringValue(pub.kubeCert)
-	plan.JoinCACertificate = types.StringValue(pub.joinCert)
-	plan.KubernetesCAPin = types.StringValue(pub.kubePin)
-	plan.JoinCAPin = types.StringValue(pub.joinPin)
-	plan.InitSecretHash = types.StringValue(pub.initSecretHash)
+	plan.setPublic(pub)
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 }
 
 // Read has nothing to refresh: everything lives in state, and the root key is not available to Read.
 func (r *secretsResource) Read(context.Context, resource.ReadRequest, *resource.ReadResponse) {}
 
-// Update is reached only when no attribute that matters changed (every one of them forces replacement):
-// the plan, made of prior state, becomes the state.
+// Update is reached only when no attribute that matters changed (every one of them forces replacement), or
+// the version of an imported resource did: the plan, made of prior state, becomes the state.
 func (r *secretsResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
 	var plan secretsResourceModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
@@ -189,16 +196,63 @@ func (r *secretsResource) Update(ctx context.Context, req resource.UpdateRequest
 	}
 	plan.RootKeyWO = types.StringNull()
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+	resp.Diagnostics.Append(resp.Private.SetKey(ctx, importedKey, nil)...)
+}
+
+// replaceUnlessImported replaces the resource for a new root_key_wo_version, unless the resource was
+// imported and not applied since: an import cannot know the configuration's version and sets 1.
+func replaceUnlessImported(ctx context.Context, req planmodifier.Int64Request, resp *int64planmodifier.RequiresReplaceIfFuncResponse) {
+	imported, diags := req.Private.GetKey(ctx, importedKey)
+	resp.Diagnostics.Append(diags...)
+	resp.RequiresReplace = imported == nil
+}
+
+func (r *secretsResource) Configure(_ context.Context, req resource.ConfigureRequest, _ *resource.ConfigureResponse) {
+	if data, ok := req.ProviderData.(*providerData); ok {
+		r.data = data
+	}
 }
 
 // Delete only forgets: nothing exists outside the state.
 func (r *secretsResource) Delete(context.Context, resource.DeleteRequest, *resource.DeleteResponse) {}
 
-func (r *secretsResource) ImportState(_ context.Context, _ resource.ImportStateRequest, resp *resource.ImportStateResponse) {
-	resp.Diagnostics.AddError("berth_secrets cannot be imported",
-		"Its root key is write-only: no import ID can carry it, and nothing outside Terraform state holds the "+
-			"certificates it made. Create the resource again with the same root key instead: it derives the same "+
-			"CA keys, pins, cluster ID and init secret, and makes new CA certificates for those keys.")
+// ImportState reads the cluster whose API server the ID names; see readImportedCluster.
+func (r *secretsResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	rootKey, ok := importRootKey(r.data, "berth_secrets", &resp.Diagnostics)
+	if !ok {
+		return
+	}
+	c, err := readImportedCluster(ctx, rootKey, req.ID)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_secrets", req.ID, err)
+		return
+	}
+	pub, err := publicOf(c.secrets, c.kubeCA, c.joinCA)
+	if err != nil {
+		importError(&resp.Diagnostics, "berth_secrets", req.ID, err)
+		return
+	}
+	// The certificates span their validity and the clock skew pki allows before their start.
+	days := math.Round(c.kubeCA.Cert.NotAfter.Sub(c.kubeCA.Cert.NotBefore).Hours() / 24)
+	m := secretsResourceModel{
+		RootKeyWO:        types.StringNull(),
+		RootKeyWOVersion: types.Int64Value(1),
+		CAValidityDays:   types.Int64Value(int64(days)),
+	}
+	m.setPublic(pub)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+	resp.Diagnostics.Append(resp.Private.SetKey(ctx, importedKey, []byte("true"))...)
+	tflog.Info(ctx, "imported berth_secrets", map[string]any{"cluster_id": pub.clusterID, "api_server": req.ID})
+}
+
+func (m *secretsResourceModel) setPublic(pub public) {
+	m.ID = types.StringValue(pub.clusterID)
+	m.ClusterID = types.StringValue(pub.clusterID)
+	m.KubernetesCACertificate = types.StringValue(pub.kubeCert)
+	m.JoinCACertificate = types.StringValue(pub.joinCert)
+	m.KubernetesCAPin = types.StringValue(pub.kubePin)
+	m.JoinCAPin = types.StringValue(pub.joinPin)
+	m.InitSecretHash = types.StringValue(pub.initSecretHash)
 }
 
 // public is what berth_secrets keeps of a root key's secrets: nothing that is secret.
@@ -211,11 +265,16 @@ func makePublic(s *clustersecrets.Secrets, now time.Time, validity time.Duration
 	if err != nil {
 		return public{}, err
 	}
+	return publicOf(s, kube, join)
+}
+
+// publicOf is what berth_secrets keeps of s with the CAs kube and join, made for s's keys.
+func publicOf(s *clustersecrets.Secrets, kube, join *pki.CA) (public, error) {
 	id, err := keys.ClusterIDOf(s.MasterSecret, s.Salt)
 	if err != nil {
 		return public{}, err
 	}
-	hash, err := initsecret.Hash([]byte(s.InitSecret))
+	hash, err := s.InitSecretHash()
 	if err != nil {
 		return public{}, err
 	}

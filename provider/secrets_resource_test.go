@@ -184,7 +184,7 @@ func TestSecretsResource(t *testing.T) {
 				ResourceName:    "berth_secrets.test",
 				ImportState:     true,
 				ImportStateId:   "0123456789abcdef0123456789abcdef",
-				ExpectError:     phrase("berth_secrets cannot be imported"),
+				ExpectError:     phrase("Importing berth_secrets needs the root key"),
 			},
 		},
 	})

@@ -9,8 +9,10 @@ terraform {
   }
 }
 
-# The root key stays out of Terraform state: keep it in your secret store and pass it on every run, e.g.
-# export TF_VAR_root_key="$(head -c 32 /dev/urandom | base64)" the first time, then read it back from the store.
+# The root key stays out of Terraform state: make it once, keep it in your secret store, and pass it on every
+# run (the cloud guides read it from AWS Secrets Manager or Google Secret Manager). Locally:
+#   umask 077; head -c 32 /dev/urandom | base64 > ~/.config/berth/prod.key   # once
+#   export TF_VAR_root_key="$(cat ~/.config/berth/prod.key)"                  # every run
 variable "root_key" {
   type      = string
   ephemeral = true
@@ -19,7 +21,7 @@ variable "root_key" {
 
 resource "berth_secrets" "cluster" {
   root_key_wo = var.root_key
-  # Bump to rotate the root key: the cluster gets new CAs, pins, ID and init secret.
+  # Keep it: a root key cannot be rotated, and a new version makes new CAs that a running cluster refuses.
   root_key_wo_version = 1
   ca_validity_days    = 3650
 }
