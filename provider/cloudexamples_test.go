@@ -188,3 +188,143 @@ func TestGCPExampleFirstApply(t *testing.T) {
 		}
 	}
 }
+
+// resolved is the references of an attribute's expression with every local.x replaced, recursively, by the
+// references of that local's own expression: what the value is made of, whichever locals it went through.
+func (e cloudExample) resolved(b *hclsyntax.Body, name string) []string {
+	var out []string
+	var walk func(refs []string, depth int)
+	walk = func(refs []string, depth int) {
+		for _, ref := range refs {
+			local, ok := strings.CutPrefix(ref, "local.")
+			if !ok || depth > 10 {
+				if !slices.Contains(out, ref) {
+					out = append(out, ref)
+				}
+				continue
+			}
+			found := false
+			for _, lb := range e.blocks {
+				if _, ok := lb.Body.Attributes[local]; ok && lb.Type == "locals" {
+					walk(references(lb.Body, local), depth+1)
+					found = true
+				}
+			}
+			if !found && !slices.Contains(out, ref) {
+				out = append(out, ref)
+			}
+		}
+	}
+	walk(references(b, name), 0)
+	slices.Sort(out)
+	return out
+}
+
+// preventsDestroy says whether a block's lifecycle sets prevent_destroy.
+func preventsDestroy(b *hclsyntax.Block) bool {
+	for _, lc := range b.Body.Blocks {
+		if lc.Type == "lifecycle" {
+			v := literal(lc.Body, "prevent_destroy")
+			return v != cty.NilVal && v.True()
+		}
+	}
+	return false
+}
+
+// rootKeyStore names, for one cloud, the secret store's resources and arguments the root key goes through.
+type rootKeyStore struct {
+	secret, version       string // resource types: the secret, and its version that holds the key
+	versionSecret         string // the version's argument naming its secret, which the read names too
+	writeOnly, woVersion  string // the version's write-only value and its version
+	plain                 string // the version's argument that would keep the key in Terraform state
+	readSecret, readValue string // the ephemeral read's argument naming the secret, and its attribute holding the key
+}
+
+// checkRootKeyFromStore keeps the root key's life: made once, kept in the cloud's secret store, read back by
+// every run. Never a variable filled in at each apply: a fresh random value there derives another CA, and
+// berth_cluster fails at the next apply.
+func checkRootKeyFromStore(t *testing.T, e cloudExample, s rootKeyStore) {
+	t.Helper()
+	for _, b := range e.blocks {
+		if b.Type == "variable" && slices.Equal(b.Labels, []string{"root_key"}) {
+			t.Errorf("variable \"root_key\" at %s: a key given at each apply is how a fresh random key reached berth_secrets; the key must come from the %s", b.DefRange(), s.secret)
+		}
+	}
+
+	read := "ephemeral." + s.version + ".root_key." + s.readValue
+	for _, use := range []struct {
+		name, attr string
+		body       *hclsyntax.Body
+	}{
+		{"berth_secrets.cluster", "root_key_wo", e.block("resource", "berth_secrets", "cluster").Body},
+		{"ephemeral.berth_secrets.cluster", "root_key", e.block("ephemeral", "berth_secrets", "cluster").Body},
+	} {
+		if refs := e.resolved(use.body, use.attr); !slices.Equal(refs, []string{read}) {
+			t.Errorf("%s: %s is made of %v, want %s only: the key read back from the store, the same at every run", use.name, use.attr, refs, read)
+		}
+	}
+
+	readBlock := e.block("ephemeral", s.version, "root_key").Body
+	if refs := e.resolved(readBlock, s.readSecret); !slices.Contains(refs, s.version+".root_key."+s.versionSecret) || !slices.Contains(refs, "var.root_key_secret") {
+		t.Errorf("ephemeral.%s.root_key: %s is made of %v, want %s.root_key.%s and var.root_key_secret: named through the version, the first apply reads the key only after writing it, and a team's own secret is read instead",
+			s.version, s.readSecret, refs, s.version, s.versionSecret)
+	}
+
+	version := e.block("resource", s.version, "root_key")
+	if _, ok := version.Body.Attributes[s.plain]; ok {
+		t.Errorf("%s.root_key sets %s: Terraform state would hold the root key; use the write-only %s", s.version, s.plain, s.writeOnly)
+	}
+	if refs := e.resolved(version.Body, s.writeOnly); !slices.Equal(refs, []string{"ephemeral.random_bytes.root_key.base64"}) {
+		t.Errorf("%s.root_key: %s is made of %v, want ephemeral.random_bytes.root_key.base64: random bytes in base64, which nothing stores", s.version, s.writeOnly, refs)
+	}
+	if v := literal(version.Body, s.woVersion); v == cty.NilVal || !v.Equals(cty.NumberIntVal(1)).True() {
+		t.Errorf("%s.root_key: %s is %#v, want the literal 1: a fixed version writes the key once, and no later apply writes another", s.version, s.woVersion, v)
+	}
+
+	bytes := e.block("ephemeral", "random_bytes", "root_key").Body
+	if v := literal(bytes, "length"); v == cty.NilVal || v.LessThan(cty.NumberIntVal(32)).True() {
+		t.Errorf("ephemeral.random_bytes.root_key: length is %#v, want 32 or more: berth refuses a root key of fewer than 32 bytes", v)
+	}
+
+	for _, typ := range []string{s.secret, s.version} {
+		if !preventsDestroy(e.block("resource", typ, "root_key")) {
+			t.Errorf("%s.root_key must set lifecycle.prevent_destroy: losing the root key loses every disk key of the cluster", typ)
+		}
+	}
+	made := map[string]*hclsyntax.Body{
+		"ephemeral.random_bytes.root_key": bytes,
+		s.secret + ".root_key":            e.block("resource", s.secret, "root_key").Body,
+		s.version + ".root_key":           version.Body,
+	}
+	for name, body := range made {
+		if refs := e.resolved(body, "count"); !slices.Equal(refs, []string{"var.root_key_secret"}) {
+			t.Errorf("%s: count depends on %v, want var.root_key_secret: with a secret of the team's own, nothing is made and nothing written", name, refs)
+		}
+	}
+}
+
+func TestAWSExampleRootKey(t *testing.T) {
+	checkRootKeyFromStore(t, loadCloudExample(t, "aws"), rootKeyStore{
+		secret:        "aws_secretsmanager_secret",
+		version:       "aws_secretsmanager_secret_version",
+		versionSecret: "secret_id",
+		writeOnly:     "secret_string_wo",
+		woVersion:     "secret_string_wo_version",
+		plain:         "secret_string",
+		readSecret:    "secret_id",
+		readValue:     "secret_string",
+	})
+}
+
+func TestGCPExampleRootKey(t *testing.T) {
+	checkRootKeyFromStore(t, loadCloudExample(t, "gcp"), rootKeyStore{
+		secret:        "google_secret_manager_secret",
+		version:       "google_secret_manager_secret_version",
+		versionSecret: "secret",
+		writeOnly:     "secret_data_wo",
+		woVersion:     "secret_data_wo_version",
+		plain:         "secret_data",
+		readSecret:    "secret",
+		readValue:     "secret_data",
+	})
+}

@@ -12,7 +12,11 @@ terraform {
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = ">= 6.0"
+      version = "~> 6.0"
+    }
+    random = {
+      source  = "hashicorp/random"
+      version = "~> 3.9"
     }
     berth = {
       source = "berthlabs/berth"
@@ -50,13 +54,6 @@ variable "image" {
   description = "The image in the manifest to run."
   type        = string
   default     = "berth-node-aws"
-}
-
-variable "root_key" {
-  description = "The cluster's root key: base64 of 32 random bytes (`head -c32 /dev/urandom | base64`). Keep it safe: it is the root of every key of the cluster."
-  type        = string
-  ephemeral   = true
-  sensitive   = true
 }
 
 variable "instance_type" {
@@ -104,13 +101,15 @@ data "aws_vpc" "cluster" {
   id = var.vpc_id
 }
 
+# The root key comes from Secrets Manager (root_key.tf). Never change root_key_wo_version on a running cluster:
+# a new value replaces berth_secrets, so new CA certificates, which the running cluster refuses.
 resource "berth_secrets" "cluster" {
-  root_key_wo         = var.root_key
+  root_key_wo         = local.root_key
   root_key_wo_version = 1
 }
 
 ephemeral "berth_secrets" "cluster" {
-  root_key                  = var.root_key
+  root_key                  = local.root_key
   kubernetes_ca_certificate = berth_secrets.cluster.kubernetes_ca_certificate
   join_ca_certificate       = berth_secrets.cluster.join_ca_certificate
 }

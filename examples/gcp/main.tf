@@ -10,15 +10,20 @@
 # node and sends it the cluster's secrets. The Berth provider needs no Google credentials for that: Google's EK
 # certificate names the instance. Only the google provider does, to build what follows.
 #
-# Written for hashicorp/google 7.x. Only `terraform fmt` has checked this configuration: the machine it was
-# written on reaches no Terraform registry, so it was never validated against the provider's schema nor applied.
+# Written for hashicorp/google 7.11 or a later 7.x (root_key.tf says why). Only `terraform fmt` and
+# provider/cloudexamples_test.go have checked this configuration: the machine it was written on reaches no
+# Terraform registry, so it was never validated against the provider's schema nor applied.
 
 terraform {
   required_version = ">= 1.11"
   required_providers {
     google = {
       source  = "hashicorp/google"
-      version = "~> 7.0"
+      version = "~> 7.11"
+    }
+    random = {
+      source  = "hashicorp/random"
+      version = "~> 3.9"
     }
     berth = {
       source = "berthlabs/berth"
@@ -82,13 +87,6 @@ variable "image" {
   default     = "berth-node-gcp"
 }
 
-variable "root_key" {
-  description = "The cluster's root key: base64 of 32 random bytes (`head -c32 /dev/urandom | base64`). Keep it safe: it is the root of every key of the cluster."
-  type        = string
-  ephemeral   = true
-  sensitive   = true
-}
-
 variable "machine_types" {
   description = "Machine types of the two roles: any series with Shielded VM support and persistent disks (e2, n2, n2d, t2d)."
   type        = object({ control_plane = string, worker = string })
@@ -125,13 +123,15 @@ data "berth_image" "node" {
   name = var.image
 }
 
+# The root key comes from Secret Manager (root_key.tf). Never change root_key_wo_version on a running cluster:
+# a new value replaces berth_secrets, so new CA certificates, which the running cluster refuses.
 resource "berth_secrets" "cluster" {
-  root_key_wo         = var.root_key
+  root_key_wo         = local.root_key
   root_key_wo_version = 1
 }
 
 ephemeral "berth_secrets" "cluster" {
-  root_key                  = var.root_key
+  root_key                  = local.root_key
   kubernetes_ca_certificate = berth_secrets.cluster.kubernetes_ca_certificate
   join_ca_certificate       = berth_secrets.cluster.join_ca_certificate
 }
