@@ -41,6 +41,7 @@ import (
 	"github.com/berthlabs/berth/internal/clustername"
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
@@ -404,11 +405,6 @@ func hostPortError(endpoint string) string {
 	return ""
 }
 
-// kubernetesRelease is the kubernetes_version the node's init server accepts (its own kubernetesVersion
-// pattern in nodeagent/internal/initserver): a release such as v1.36.3, or a pre-release such as
-// v1.37.0-rc.1, with its "v" as kubeadm names releases and the image manifest records them.
-var kubernetesRelease = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})(-[0-9A-Za-z.]{1,32})?\z`)
-
 // kubernetesMinor is a version without its patch release, such as 1.36.
 var kubernetesMinor = regexp.MustCompile(`\Av?(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\z`)
 
@@ -417,9 +413,9 @@ var kubernetesMinor = regexp.MustCompile(`\Av?(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\z
 func kubernetesVersionError(v string) string {
 	const image = "the release baked into the image, data.berth_image.<name>.components.kubernetes"
 	switch {
-	case kubernetesRelease.MatchString(v):
+	case kubeadm.IsRelease(v):
 		return ""
-	case kubernetesRelease.MatchString("v" + v):
+	case kubeadm.IsRelease("v" + v):
 		return fmt.Sprintf("kubernetes_version is %q: write the release with its \"v\", %q, as kubeadm names releases "+
 			"and the image manifest records them (%s).", v, "v"+v, image)
 	case kubernetesMinor.MatchString(v):

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/netip"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"time"
 
@@ -220,10 +219,14 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, platform.CheckEndpoints("", map[string]string{"metadataURL": c.MetadataURL})...)
 	if c.MetricsListen != "" {
-		errs = append(errs, checkListen("metricsListen", c.MetricsListen, "0.0.0.0:9452")...)
+		if err := configfile.CheckHostPort("metricsListen", c.MetricsListen, "0.0.0.0:9452", true); err != nil {
+			errs = append(errs, err)
+		}
 	}
-	errs = append(errs, checkListen("initListen", c.InitListen, fmt.Sprintf(":%d", DefaultInitPort))...)
-	if c.JoinListenHost != "" && !validHost(c.JoinListenHost) {
+	if err := configfile.CheckHostPort("initListen", c.InitListen, fmt.Sprintf(":%d", DefaultInitPort), true); err != nil {
+		errs = append(errs, err)
+	}
+	if c.JoinListenHost != "" && !configfile.ValidHost(c.JoinListenHost) {
 		errs = append(errs, fmt.Errorf("joinListenHost: %q is not an IP address or a host name (the port comes from user-data)", c.JoinListenHost))
 	}
 	if c.StateDisk == "" {
@@ -290,41 +293,6 @@ func (c *Config) Platform() platform.Platform {
 	}
 }
 
-// checkListen refuses a listen address that net.Listen would refuse only when the node first serves: it
-// must be host:port with a numeric port; the host may be empty (every address).
-func checkListen(name, addr, example string) []error {
-	host, port, err := net.SplitHostPort(addr)
-	n, perr := strconv.ParseUint(port, 10, 16)
-	switch {
-	case err != nil || perr != nil || (host != "" && !validHost(host)):
-		return []error{fmt.Errorf("%s: %q is not host:port (such as %s)", name, addr, example)}
-	case n == 0:
-		return []error{fmt.Errorf("%s: %q has port 0: the provider and the nodes dial a port they know", name, addr)}
-	}
-	return nil
-}
-
-// validHost says whether host is an IP address or a DNS name (RFC 1123 labels).
-func validHost(host string) bool {
-	if _, err := netip.ParseAddr(host); err == nil {
-		return true
-	}
-	if len(host) > 253 {
-		return false
-	}
-	for _, label := range strings.Split(strings.TrimSuffix(host, "."), ".") {
-		if len(label) == 0 || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
-			return false
-		}
-		for _, r := range label {
-			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
-				return false
-			}
-		}
-	}
-	return true
-}
-
 // checkTPM refuses a TPM that attest.Open could not open by its form: a device path, or a software TPM's
 // unix:<absolute path> or tcp:<host:port>.
 func checkTPM(tpm string) error {
@@ -334,7 +302,7 @@ func checkTPM(tpm string) error {
 			return fmt.Errorf("tpm: %q is not unix:<absolute path of a socket>", tpm)
 		}
 	case strings.HasPrefix(tpm, "tcp:"):
-		if host, port, err := net.SplitHostPort(strings.TrimPrefix(tpm, "tcp:")); err != nil || port == "" || (host != "" && !validHost(host)) {
+		if host, port, err := net.SplitHostPort(strings.TrimPrefix(tpm, "tcp:")); err != nil || port == "" || (host != "" && !configfile.ValidHost(host)) {
 			return fmt.Errorf("tpm: %q is not tcp:<host:port>", tpm)
 		}
 	case !filepath.IsAbs(tpm):

@@ -95,7 +95,7 @@ func FuzzValidateRequest(f *testing.F) {
 		if len(master) < minMasterSecret || len(salt) < minSalt {
 			t.Fatalf("accepted a master secret of %d and a salt of %d bytes", len(master), len(salt))
 		}
-		if !kubernetesVersion.MatchString(version) || clusterName == "" {
+		if !kubeadm.IsRelease(version) || clusterName == "" {
 			t.Fatalf("accepted version %q, cluster name %q", version, clusterName)
 		}
 		wantKey, err := keys.Derive(master, salt, disk, keys.DiskKeySize)

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"regexp"
 	"strconv"
 	"time"
 
@@ -27,10 +26,6 @@ const (
 	minMasterSecret = 32
 	minSalt         = 16
 )
-
-// kubernetesVersion accepts the release versions kubeadm is baked with: v1.36.3, or a pre-release such
-// as v1.37.0-rc.1.
-var kubernetesVersion = regexp.MustCompile(`\Av(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})(-[0-9A-Za-z.]{1,32})?\z`)
 
 // plan is a checked init request with everything derived from it: nothing in it can fail to apply for a
 // reason the request could have shown.
@@ -83,7 +78,7 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, now time.
 	if err := clustername.Validate(req.ClusterName); err != nil {
 		return nil, err
 	}
-	if !kubernetesVersion.MatchString(req.KubernetesVersion) {
+	if !kubeadm.IsRelease(req.KubernetesVersion) {
 		return nil, fmt.Errorf("kubernetes version %q is not a release version such as v1.36.3", req.KubernetesVersion)
 	}
 	if len(req.JoinPolicy) > 0 {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/clustersecrets"
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
@@ -140,14 +141,29 @@ func (c *ServiceConfig) Validate() error {
 		}
 	}
 	if c.APIServerEndpoint != "" {
-		if _, _, err := net.SplitHostPort(c.APIServerEndpoint); err != nil {
-			errs = append(errs, fmt.Errorf("apiServerEndpoint %q is not host:port", c.APIServerEndpoint))
+		if err := configfile.CheckHostPort("apiServerEndpoint", c.APIServerEndpoint, "10.0.0.10:6443", false); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	for _, a := range c.ServerAddresses {
 		if _, err := netip.ParseAddr(a); err != nil {
 			errs = append(errs, fmt.Errorf("serverAddresses: %q is not an IP address", a))
 		}
+	}
+	// The certificate would be issued with any of them, and nodes would fail to verify it.
+	for _, n := range c.ServerNames {
+		if _, err := netip.ParseAddr(n); err == nil || !configfile.ValidHost(n) {
+			errs = append(errs, fmt.Errorf("serverNames: %q is not a DNS name (addresses go in serverAddresses)", n))
+		}
+	}
+	if c.ClusterDomain != "" && !configfile.ValidHost(c.ClusterDomain) {
+		errs = append(errs, fmt.Errorf("clusterDomain: %q is not a DNS name such as cluster.local", c.ClusterDomain))
+	}
+	if c.KubernetesVersion != "" && !kubeadm.IsRelease(c.KubernetesVersion) {
+		errs = append(errs, fmt.Errorf("kubernetesVersion: %q is not a release such as v1.36.3", c.KubernetesVersion))
+	}
+	if c.CFSSL != nil && c.CFSSL.URL != "" {
+		errs = append(errs, platform.CheckEndpoints("cfssl", map[string]string{"url": c.CFSSL.URL})...)
 	}
 	if (c.InventoryFile == "") == (c.MetadataURL == "") {
 		errs = append(errs, errors.New("set exactly one of inventoryFile and metadataURL"))

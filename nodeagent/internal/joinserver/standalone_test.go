@@ -83,6 +83,14 @@ func TestLoadServiceConfigRefusals(t *testing.T) {
 		{"metadata URL not http and a negative timeout", strings.Replace(strings.Replace(validServiceConfig, "inventoryFile: ", "# ", 1),
 			"timeout: 20s", "timeout: -20s\nmetadataURL: 10.0.0.5:7400", 1),
 			[]string{`line 14: metadataURL "10.0.0.5:7400" is not an http(s) URL`, "line 13: timeout: -20s is negative"}},
+		// Each of these would reach a certificate, a kubelet or a dialer only when a node joins.
+		{"names, domain, version and URLs of the wrong form", strings.NewReplacer(
+			"apiServerEndpoint: 10.0.0.5:6443", "apiServerEndpoint: 10.0.0.5:0",
+			"clusterDomain: cluster.local", "clusterDomain: cluster_local\nserverNames: [join.example, 10.0.0.5, \"not a name\"]\nkubernetesVersion: 1.36",
+			`url: "http://10.0.0.5:8888"`, `url: "10.0.0.5:8888"`).Replace(validServiceConfig),
+			[]string{`line 3: apiServerEndpoint: "10.0.0.5:0" has port 0`, `line 6: cfssl.url "10.0.0.5:8888" is not an http(s) URL`,
+				`line 12: clusterDomain: "cluster_local" is not a DNS name`, `line 13: serverNames: "10.0.0.5" is not a DNS name`,
+				`serverNames: "not a name" is not a DNS name`, `line 14: kubernetesVersion: "1.36" is not a release`}},
 		{"files that cannot be read", unreadable, []string{"line 7: rootKeyFile: open ", "absent-root-key: no such file or directory",
 			"line 9: ekCABundle: ", "is not a regular file", "line 10: policyFile: open ", "absent-policy.yaml: no such file or directory"}},
 	}
