@@ -8,7 +8,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -165,7 +167,42 @@ func TestExternalControlPlane(t *testing.T) {
 		t.Errorf("the join service's record of the disk's TPM: %v", err)
 	}
 	checkRenewal(ctx, t, l, node, api, signer, cert)
+	checkExternalMetrics(t)
 	t.Logf("node metal-1 Ready; join service log:\n%s", tail(svc.log(t), 15))
+}
+
+// checkExternalMetrics reads the external join service's metrics and readiness: it is ready, and counts the
+// join and the renewal it served.
+func checkExternalMetrics(t *testing.T) {
+	t.Helper()
+	base := "http://" + net.JoinHostPort(hostAddr.String(), fmt.Sprint(externalMetricsPort))
+	get := func(path string) (int, string) {
+		resp, err := http.Get(base + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.StatusCode, string(body)
+	}
+	if code, body := get("/readyz"); code != http.StatusOK {
+		t.Errorf("the external join service's /readyz: %d %s", code, body)
+	}
+	_, metrics := get("/metrics")
+	for _, line := range []string{`berth_join_tickets_issued_total{call="join"} `, `berth_join_tickets_issued_total{call="renew"} `,
+		"berth_build_info{", "berth_join_policy_loaded 1"} {
+		if !strings.Contains(metrics, line) {
+			t.Errorf("the external join service's metrics lack %q", line)
+		}
+	}
+	for _, none := range []string{`berth_join_tickets_issued_total{call="join"} 0`, `berth_join_tickets_issued_total{call="renew"} 0`} {
+		if strings.Contains(metrics, none+"\n") {
+			t.Errorf("the external join service's metrics say %q, though the node joined and renewed its certificate", none)
+		}
+	}
 }
 
 // checkRenewal waits until the node's agent has renewed the kubelet's client certificate through the join
@@ -215,6 +252,9 @@ type externalService struct {
 
 const externalJoinPort = 7450
 
+// externalMetricsPort is where the external join service serves its metrics (join-service.yaml metricsListen).
+const externalMetricsPort = 9452
+
 func newExternalService(t *testing.T, l *Lab, agent string, api *kubetest.APIServer, signer *cfssltest.Server, clusterCA *pki.CA) *externalService {
 	t.Helper()
 	dir := t.TempDir()
@@ -260,6 +300,7 @@ func newExternalService(t *testing.T, l *Lab, agent string, api *kubetest.APISer
 		"policyFile":        write("join-policy.yaml", pol),
 		"clusterDNS":        []string{"10.96.0.10"},
 		"clusterDomain":     "cluster.local",
+		"metricsListen":     net.JoinHostPort(hostAddr.String(), fmt.Sprint(externalMetricsPort)),
 	}
 	data, err := yaml.Marshal(s.config)
 	if err != nil {

@@ -24,6 +24,7 @@ import (
 
 	"github.com/berthlabs/berth/nodeagent/internal/agent"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
+	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
 // Set at build time with -ldflags "-X main.version=…".
@@ -192,7 +193,7 @@ func runJoinService(args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return r.fail(exitConfig, "configuration", err)
 		}
-		return r.done(joinserver.ServeStandalone(r.ctx, cfg, agent.KubeClient, r.log))
+		return r.done(joinserver.ServeStandalone(r.ctx, cfg, agent.KubeClient, r.log, build))
 	}
 	a, code, ok := r.newAgent(*f.config)
 	if !ok {
@@ -225,7 +226,7 @@ func runStatus(args []string, stdout, stderr io.Writer) int {
 		return fail(exitConfig, err)
 	}
 	logger := newLogger(stderr, level)
-	a, err := agent.New(cfg, agent.RealDeps(cfg, logger))
+	a, err := agent.New(cfg, realDeps(cfg, logger))
 	if err != nil {
 		return fail(exitConfig, fmt.Errorf("agent configuration %s: %w", *configPath, err))
 	}
@@ -288,13 +289,23 @@ func startService(cmd string, f serviceFlags, stderr io.Writer) (*service, int, 
 	return s, exitOK, true
 }
 
+// build is this build, as the metrics name it.
+var build = telemetry.Build{Version: version, KubernetesVersion: kubernetesVersion}
+
+// realDeps are a real node's dependencies, with this build's versions for the metrics.
+func realDeps(cfg *agent.Config, log *slog.Logger) agent.Deps {
+	deps := agent.RealDeps(cfg, log)
+	deps.Build = build
+	return deps
+}
+
 // newAgent loads the agent configuration at path and wires the agent.
 func (s *service) newAgent(path string) (*agent.Agent, int, bool) {
 	cfg, err := agent.LoadConfig(path)
 	if err != nil {
 		return nil, s.fail(exitConfig, "configuration", err), false
 	}
-	a, err := agent.New(cfg, agent.RealDeps(cfg, s.log))
+	a, err := agent.New(cfg, realDeps(cfg, s.log))
 	if err != nil {
 		return nil, s.fail(exitConfig, "configuration", fmt.Errorf("agent configuration %s: %w", path, err)), false
 	}

@@ -32,6 +32,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
 	"github.com/berthlabs/berth/nodeagent/internal/statedisk"
+	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
 // Prover is the TPM (attest.Prover).
@@ -67,6 +68,8 @@ type Deps struct {
 	// is the API server to use instead of the kubeconfig's.
 	KubeClient func(kubeconfig, server string) (kubernetes.Interface, error)
 	Logger     *slog.Logger
+	// Build names the agent's build in its metrics (berth_build_info).
+	Build telemetry.Build
 }
 
 // RealDeps are the dependencies of a real node.

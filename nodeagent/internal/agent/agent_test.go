@@ -3,8 +3,10 @@ package agent
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -203,9 +205,12 @@ func TestBootInitThenJoin(t *testing.T) {
 		t.Errorf("cluster record after init: %+v (%v), want cluster %s named boot with its init settings", info, err, result.ClusterId)
 	}
 
+	// A worker serves metrics too: its boot, step by step, and its build.
+	worker.cfg.MetricsListen = net.JoinHostPort(workerAddr.String(), strconv.Itoa(freePort(t, workerAddr.String())))
 	if err := worker.agent.Boot(ctx); err != nil {
 		t.Fatal(cp.logs.Logf("worker boot: %v\n--- worker log ---\n%s", err, worker.logs.String()))
 	}
+	checkBootMetrics(t, "http://"+worker.cfg.MetricsListen+"/metrics")
 	st, err := nodestate.Read(worker.cfg.Paths.State)
 	if err != nil || st.ClusterID != result.ClusterId || st.Via != nodestate.OwnerJoin {
 		t.Fatalf("worker state %+v (%v), cluster %s", st, err, result.ClusterId)
@@ -278,5 +283,32 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatalf("control-plane agent after reboot: %v", err)
+	}
+}
+
+// checkBootMetrics reads a finished boot's metrics at url: every step took its time once, none is in
+// progress, the boot has its finish time, and the build is named.
+func checkBootMetrics(t *testing.T, url string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(body)
+	for _, step := range bootSteps() {
+		for _, line := range []string{`berth_boot_step{step="` + step + `"} 0`, `berth_boot_step_duration_seconds_count{step="` + step + `"} 1`} {
+			if !strings.Contains(text, line+"\n") {
+				t.Errorf("the worker's metrics lack %q", line)
+			}
+		}
+	}
+	if !strings.Contains(text, "berth_build_info{") || strings.Contains(text, "berth_boot_finished_timestamp_seconds 0\n") ||
+		!strings.Contains(text, "berth_boot_finished_timestamp_seconds ") {
+		t.Errorf("the worker's metrics lack the build or the boot's finish:\n%s", text)
 	}
 }

@@ -41,18 +41,47 @@ type boot struct {
 	kubeletDone chan error
 }
 
-// step is one named part of a boot.
+// step is one named part of a boot; the name is also its label in the metrics (berth_boot_step).
 type step struct {
 	name string
 	run  func(context.Context) error
 }
 
+// steps are the boot's steps, in their order.
+func (b *boot) steps() []step {
+	return []step{
+		{"verified_root", b.readRoot},
+		{"tpm", b.openTPM},
+		{"metadata", b.readSelf},
+		{"state_disk", b.prepareDisk},
+		{"local_unlock", b.setUpLocalUnlock},
+		{"membership", b.becomeMember},
+		{"seal", b.seal},
+		{"duties", b.startDuties},
+	}
+}
+
+// bootSteps are the steps' names, the fixed label values of the boot metrics.
+func bootSteps() []string {
+	var names []string
+	for _, s := range (&boot{}).steps() {
+		names = append(names, s.name)
+	}
+	return names
+}
+
 // Boot makes this node a cluster member (or a member again), then, on control-plane nodes, serves the join
-// service until ctx ends. It runs as named steps, each logged at debug level when it starts; a step's
-// failure ends the boot with the step's own error.
+// service until ctx ends. It runs as named steps, each logged at debug level when it starts and shown in the
+// metrics while it runs; a step's failure ends the boot with the step's own error. The metrics server is the
+// process's: it serves until ctx ends, after the boot too.
 func (a *Agent) Boot(ctx context.Context) error {
 	// This line and the instance's below mark where a boot's time goes (the lab's join figures read them).
 	a.log.Info("boot started", "state_disk", a.cfg.StateDisk)
+	tel, err := a.startTelemetry(ctx)
+	if err != nil {
+		return err
+	}
+	metrics := tel.metrics
 	b := &boot{a: a, log: a.log, kubeletDone: make(chan error, 1)}
 	defer b.closeTPM()
 	ctx, cancel := context.WithCancel(ctx)
@@ -60,23 +89,18 @@ func (a *Agent) Boot(ctx context.Context) error {
 		cancel()
 		b.running.Wait()
 	}()
-	for _, s := range []step{
-		{"read the verified root", b.readRoot},
-		{"open the TPM", b.openTPM},
-		{"read the instance metadata", b.readSelf},
-		{"prepare the state disk", b.prepareDisk},
-		{"set up local unlock", b.setUpLocalUnlock},
-		{"become a member", b.becomeMember},
-		{"seal the disk key", b.seal},
-		{"start the node's duties", b.startDuties},
-	} {
+	for _, s := range b.steps() {
 		b.log.Debug("boot step", "step", s.name)
+		start := time.Now()
+		metrics.BootStepStarted(s.name)
 		if err := s.run(ctx); err != nil {
 			return err
 		}
+		metrics.BootStepDone(s.name, time.Since(start))
 	}
+	metrics.BootFinished(time.Now())
 	b.log.Info("boot finished")
-	err := b.serve(ctx)
+	err = b.serve(ctx)
 	// The kubelet stops with the boot; what it said on its way out is its supervisor's to log.
 	cancel()
 	<-b.kubeletDone

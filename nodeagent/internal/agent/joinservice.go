@@ -178,8 +178,8 @@ func removeBootstrapAutoApproval(ctx context.Context, kube kubernetes.Interface,
 	}
 }
 
-// processTelemetry is the agent process's metrics and health server: one per process, started by the first
-// server that runs (the init server, then the join service in the same boot), when agent.yaml sets
+// processTelemetry is the agent process's metrics and health server: one per process, started when its boot
+// starts and serving the init server and the join service of the same process, when agent.yaml sets
 // metricsListen.
 type processTelemetry struct {
 	once    sync.Once
@@ -202,10 +202,9 @@ func (a *Agent) startTelemetry(ctx context.Context) (*processTelemetry, error) {
 			return
 		}
 		log := a.log.With("component", "metrics")
-		t.metrics = telemetry.New(telemetry.Labels{
-			JoinCalls: joinservice.Calls, JoinRefusals: joinservice.RefusalReasons, JoinErrors: joinservice.ErrorKinds,
-			InitResults: initserver.Results,
-		})
+		labels := joinserver.TelemetryLabels(a.deps.Build)
+		labels.InitResults, labels.BootSteps = initserver.Results, bootSteps()
+		t.metrics = telemetry.New(labels)
 		t.server = telemetry.NewServer(t.metrics, log)
 		go func() {
 			if err := t.server.Serve(ctx, lis); err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
+	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
 // DefaultServiceConfigPath is where a join service beside an external control plane reads its configuration.
@@ -73,6 +74,9 @@ type ServiceConfig struct {
 	KubernetesVersion string `json:"kubernetesVersion,omitempty"`
 	// Timeout bounds one node's whole exchange; default 30s.
 	Timeout configfile.Duration `json:"timeout,omitempty"`
+	// MetricsListen, if set, is where the service serves its Prometheus metrics, /healthz and /readyz, in
+	// plain HTTP (docs/metrics.md).
+	MetricsListen string `json:"metricsListen,omitempty"`
 }
 
 // LoadServiceConfig reads a join service configuration file and checks it.
@@ -159,6 +163,11 @@ func (c *ServiceConfig) Validate() error {
 	if c.ClusterDomain != "" && !configfile.ValidHost(c.ClusterDomain) {
 		errs = append(errs, fmt.Errorf("clusterDomain: %q is not a DNS name such as cluster.local", c.ClusterDomain))
 	}
+	if c.MetricsListen != "" {
+		if err := configfile.CheckHostPort("metricsListen", c.MetricsListen, "0.0.0.0:9452", true); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if c.KubernetesVersion != "" && !kubeadm.IsRelease(c.KubernetesVersion) {
 		errs = append(errs, fmt.Errorf("kubernetesVersion: %q is not a release such as v1.36.3", c.KubernetesVersion))
 	}
@@ -209,9 +218,15 @@ func (c *ServiceConfig) certificateIPs() ([]net.IP, error) {
 	return []net.IP{ap.Addr().AsSlice()}, nil
 }
 
-// ServeStandalone runs the join service of cfg until ctx ends. Everything it reads is checked before it
-// listens, so a service that starts serves.
-func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), logger *slog.Logger) error {
+// TelemetryLabels are the fixed label values of a join service's metrics, from an agent of build.
+func TelemetryLabels(build telemetry.Build) telemetry.Labels {
+	return telemetry.Labels{JoinCalls: joinservice.Calls, JoinRefusals: joinservice.RefusalReasons,
+		JoinErrors: joinservice.ErrorKinds, Build: build}
+}
+
+// ServeStandalone runs the join service of cfg until ctx ends, with the metrics of build. Everything it reads
+// is checked before it listens, so a service that starts serves.
+func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(kubeconfig string) (kubernetes.Interface, error), logger *slog.Logger, build telemetry.Build) error {
 	log := logger.With("component", "join-service")
 	rootText, err := os.ReadFile(cfg.RootKeyFile)
 	if err != nil {
@@ -257,10 +272,26 @@ func ServeStandalone(ctx context.Context, cfg *ServiceConfig, kubeClient func(ku
 	if err != nil {
 		return fmt.Errorf("join service: %w", err)
 	}
-	return Serve(ctx, Options{
+	opts := Options{
 		Listen: cfg.Listen, Names: cfg.ServerNames, IPs: ips, Kube: kube,
 		PolicyFile: cfg.PolicyFile, PolicyConfigMap: cfg.PolicyConfigMap, Log: log,
-	}, joinservice.Config{
+	}
+	if cfg.MetricsListen != "" {
+		lis, err := net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			return fmt.Errorf("join service: metrics listener: %w", err)
+		}
+		mlog := logger.With("component", "metrics")
+		opts.Metrics = telemetry.New(TelemetryLabels(build))
+		opts.Health = telemetry.NewServer(opts.Metrics, mlog)
+		go func() {
+			if err := opts.Health.Serve(ctx, lis); err != nil {
+				mlog.Error("serving metrics", "error", err)
+			}
+		}()
+		mlog.Info("metrics and health listening", "address", lis.Addr().String())
+	}
+	return Serve(ctx, opts, joinservice.Config{
 		Verifier:          verifier,
 		Instances:         instances,
 		MasterSecret:      secrets.MasterSecret,

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/berthlabs/berth/internal/clustersecrets"
+	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
 )
 
 // serviceConfigTemplate is a valid configuration once DIR is a directory holding the files it names
@@ -86,11 +87,12 @@ func TestLoadServiceConfigRefusals(t *testing.T) {
 		// Each of these would reach a certificate, a kubelet or a dialer only when a node joins.
 		{"names, domain, version and URLs of the wrong form", strings.NewReplacer(
 			"apiServerEndpoint: 10.0.0.5:6443", "apiServerEndpoint: 10.0.0.5:0",
-			"clusterDomain: cluster.local", "clusterDomain: cluster_local\nserverNames: [join.example, 10.0.0.5, \"not a name\"]\nkubernetesVersion: 1.36",
+			"clusterDomain: cluster.local", "clusterDomain: cluster_local\nserverNames: [join.example, 10.0.0.5, \"not a name\"]\nkubernetesVersion: 1.36\nmetricsListen: localhost",
 			`url: "http://10.0.0.5:8888"`, `url: "10.0.0.5:8888"`).Replace(validServiceConfig),
 			[]string{`line 3: apiServerEndpoint: "10.0.0.5:0" has port 0`, `line 6: cfssl.url "10.0.0.5:8888" is not an http(s) URL`,
 				`line 12: clusterDomain: "cluster_local" is not a DNS name`, `line 13: serverNames: "10.0.0.5" is not a DNS name`,
-				`serverNames: "not a name" is not a DNS name`, `line 14: kubernetesVersion: "1.36" is not a release`}},
+				`serverNames: "not a name" is not a DNS name`, `line 14: kubernetesVersion: "1.36" is not a release`,
+				`line 15: metricsListen: "localhost" is not host:port`}},
 		{"files that cannot be read", unreadable, []string{"line 7: rootKeyFile: open ", "absent-root-key: no such file or directory",
 			"line 9: ekCABundle: ", "is not a regular file", "line 10: policyFile: open ", "absent-policy.yaml: no such file or directory"}},
 	}
@@ -141,7 +143,7 @@ func TestServeStandaloneRefusesForeignJoinCA(t *testing.T) {
 	}
 	called := false
 	kube := func(string) (kubernetes.Interface, error) { called = true; return nil, errors.New("unreachable") }
-	err = ServeStandalone(context.Background(), cfg, kube, slog.New(slog.DiscardHandler))
+	err = ServeStandalone(context.Background(), cfg, kube, slog.New(slog.DiscardHandler), telemetry.Build{})
 	if !errors.Is(err, clustersecrets.ErrWrongRootKey) {
 		t.Fatalf("ServeStandalone: %v, want ErrWrongRootKey", err)
 	}

@@ -7,6 +7,7 @@
 package telemetry
 
 import (
+	"runtime"
 	"slices"
 	"sync"
 	"time"
@@ -36,8 +37,17 @@ const (
 )
 
 // exchangeBuckets span a join exchange, from a rejoin answered from caches (a few milliseconds of swtpm time)
-// to the 30 s bound of a slow vTPM's exchange; kubeadm init (minutes) lands in the last.
+// to the 30 s bound of a slow vTPM's exchange.
 var exchangeBuckets = []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300}
+
+// initBuckets span an init exchange, kubeadm init and the pod network included: refusals end in
+// milliseconds, an init takes minutes, and berth_cluster's init_timeout (default 15 minutes) bounds it.
+var initBuckets = []float64{.01, .1, 1, 10, 30, 60, 120, 180, 300, 450, 600, 900, 1200, 1800}
+
+// bootBuckets span a boot step: reading the metadata takes milliseconds, reading a verified root tens of
+// seconds, and becoming a member (a join, or waiting for an init) minutes, up to the hour a first node may
+// wait for its operator.
+var bootBuckets = []float64{.01, .1, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 3600}
 
 // Labels are the fixed label values of the metrics.
 type Labels struct {
@@ -50,6 +60,15 @@ type Labels struct {
 	JoinErrors []string
 	// InitResults are what an init exchange can come to.
 	InitResults []string
+	// BootSteps are the steps of a node's boot.
+	BootSteps []string
+	// Build is the agent's, for berth_build_info.
+	Build Build
+}
+
+// Build names an agent's build.
+type Build struct {
+	Version, KubernetesVersion string
 }
 
 // Metrics are the agent's metrics, in their own registry.
@@ -73,6 +92,10 @@ type Metrics struct {
 	policyInfoMu  sync.Mutex
 	connections   *admissionCollector
 	apiReachGauge prometheus.Gauge
+
+	bootStep         *prometheus.GaugeVec
+	bootStepDuration *prometheus.HistogramVec
+	bootFinished     prometheus.Gauge
 }
 
 // New makes the metrics with every series of the fixed lists at zero, so that a rate over a fresh process
@@ -97,7 +120,7 @@ func New(labels Labels) *Metrics {
 	}, []string{"result"})
 	m.initDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "berth_init_exchange_duration_seconds", Help: "Init server exchanges' duration by result (kubeadm init included).",
-		Buckets: exchangeBuckets,
+		Buckets: initBuckets,
 	}, []string{"result"})
 	m.apiRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "berth_api_requests_total", Help: "Requests to the Kubernetes API and the cloud's API, each retry included, by API and outcome (ok, throttled, error).",
@@ -125,8 +148,24 @@ func New(labels Labels) *Metrics {
 	m.apiReachGauge = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "berth_kubernetes_api_reachable", Help: "1 when the last periodic check of the Kubernetes API succeeded.",
 	})
+	m.bootStep = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "berth_boot_step", Help: "1 for the boot step the agent is in, 0 for the others; all 0 once the boot finished.",
+	}, []string{"step"})
+	m.bootStepDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "berth_boot_step_duration_seconds", Help: "How long each step of this boot took, by step.",
+		Buckets: bootBuckets,
+	}, []string{"step"})
+	m.bootFinished = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "berth_boot_finished_timestamp_seconds", Help: "When this boot finished, in Unix seconds; 0 while it runs.",
+	})
+	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "berth_build_info", Help: "1, labelled with the agent's version, the Kubernetes version it was built with and Go's.",
+		ConstLabels: prometheus.Labels{"version": labels.Build.Version, "kubernetes_version": labels.Build.KubernetesVersion, "go_version": runtime.Version()},
+	})
+	buildInfo.Set(1)
 	m.reg.MustRegister(m.issued, m.refused, m.errored, m.joinDuration, m.initTotal, m.initDuration, m.apiRequests,
 		m.policyLoaded, m.policyImages, m.policyLoads, m.policyLoadAt, m.policyInfo, m.connections, m.apiReachGauge,
+		m.bootStep, m.bootStepDuration, m.bootFinished, buildInfo,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	for _, call := range withOther(labels.JoinCalls) {
@@ -144,6 +183,10 @@ func New(labels Labels) *Metrics {
 	for _, r := range withOther(labels.InitResults) {
 		m.initTotal.WithLabelValues(r)
 		m.initDuration.WithLabelValues(r)
+	}
+	for _, step := range labels.BootSteps {
+		m.bootStep.WithLabelValues(step)
+		m.bootStepDuration.WithLabelValues(step)
 	}
 	for _, api := range withOther([]string{APIKubernetes, APIEC2, APICompute}) {
 		for _, o := range []apicalls.Outcome{apicalls.OK, apicalls.Throttled, apicalls.Error} {
@@ -182,6 +225,37 @@ func (m *Metrics) InitExchange(result string, took time.Duration) {
 	result = pick(result, m.labels.InitResults)
 	m.initTotal.WithLabelValues(result).Inc()
 	m.initDuration.WithLabelValues(result).Observe(took.Seconds())
+}
+
+// BootStepStarted shows step as the one the boot is in. Like BootStepDone and BootFinished, it does nothing
+// on nil metrics (an agent without metricsListen).
+func (m *Metrics) BootStepStarted(step string) {
+	if m == nil {
+		return
+	}
+	step = pick(step, m.labels.BootSteps)
+	for _, s := range m.labels.BootSteps {
+		m.bootStep.WithLabelValues(s).Set(0)
+	}
+	m.bootStep.WithLabelValues(step).Set(1)
+}
+
+// BootStepDone records that step took took.
+func (m *Metrics) BootStepDone(step string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	step = pick(step, m.labels.BootSteps)
+	m.bootStepDuration.WithLabelValues(step).Observe(took.Seconds())
+	m.bootStep.WithLabelValues(step).Set(0)
+}
+
+// BootFinished records that the boot finished at at.
+func (m *Metrics) BootFinished(at time.Time) {
+	if m == nil {
+		return
+	}
+	m.bootFinished.Set(float64(at.UnixNano()) / 1e9)
 }
 
 // Calls counts the requests to api (APIKubernetes, APIEC2, APICompute) by outcome.

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -23,6 +24,7 @@ import (
 var testLabels = Labels{
 	JoinCalls: []string{"join", "rejoin"}, JoinRefusals: []string{"measurements", "role"},
 	JoinErrors: []string{"internal", "stream"}, InitResults: []string{"initialized", "refused"},
+	BootSteps: []string{"tpm", "membership"}, Build: Build{Version: "v0.9.0", KubernetesVersion: "v1.36.3"},
 }
 
 // series is every sample of the registry as "name{label=value,...}" → value.
@@ -154,6 +156,57 @@ func TestPolicyVersionOneSeries(t *testing.T) {
 	} {
 		if got[s] != v {
 			t.Errorf("%s = %v, want %v", s, got[s], v)
+		}
+	}
+}
+
+// TestBootAndBuild: the step in progress is the only one at 1, each finished step has its duration, the
+// finish time is set at the end, and the build is named; nil metrics (no metricsListen) take the calls too.
+func TestBootAndBuild(t *testing.T) {
+	m := New(testLabels)
+	step := func(name string) float64 { return series(t, m)["berth_boot_step{step="+name+"}"] }
+	if step("tpm") != 0 || step("membership") != 0 || series(t, m)["berth_boot_step_duration_seconds{step=membership}"] != 0 {
+		t.Error("a step is shown before the boot started")
+	}
+	m.BootStepStarted("tpm")
+	if step("tpm") != 1 || step("membership") != 0 {
+		t.Errorf("in tpm: tpm %v, membership %v", step("tpm"), step("membership"))
+	}
+	m.BootStepDone("tpm", time.Second)
+	m.BootStepStarted("membership")
+	if step("tpm") != 0 || step("membership") != 1 {
+		t.Errorf("in membership: tpm %v, membership %v", step("tpm"), step("membership"))
+	}
+	m.BootStepDone("membership", 12*time.Minute)
+	m.BootFinished(time.Unix(300, 0))
+	got := series(t, m)
+	for s, v := range map[string]float64{
+		"berth_boot_step{step=membership}": 0, "berth_boot_step_duration_seconds{step=tpm}": 1,
+		"berth_boot_step_duration_seconds{step=membership}": 1, "berth_boot_finished_timestamp_seconds{}": 300,
+		"berth_build_info{go_version=" + runtime.Version() + ",kubernetes_version=v1.36.3,version=v0.9.0}": 1,
+	} {
+		if got[s] != v {
+			t.Errorf("%s = %v, want %v", s, got[s], v)
+		}
+	}
+	var none *Metrics
+	none.BootStepStarted("tpm")
+	none.BootStepDone("tpm", time.Second)
+	none.BootFinished(time.Now())
+}
+
+// TestHistogramsCoverTheirTimeouts: an init may take berth_cluster's init_timeout (15 minutes by default) and a
+// boot may wait an hour for its operator; each must land in a bucket below +Inf, or the quantiles of the
+// slowest cases, the ones alerts are about, are unknown.
+func TestHistogramsCoverTheirTimeouts(t *testing.T) {
+	for name, c := range map[string]struct {
+		buckets []float64
+		longest time.Duration
+	}{
+		"init": {initBuckets, 15 * time.Minute}, "join": {exchangeBuckets, 30 * time.Second}, "boot": {bootBuckets, time.Hour},
+	} {
+		if top := c.buckets[len(c.buckets)-1]; top < c.longest.Seconds() {
+			t.Errorf("%s buckets end at %vs, below the %v they must cover", name, top, c.longest)
 		}
 	}
 }
