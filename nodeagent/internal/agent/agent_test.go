@@ -3,10 +3,8 @@ package agent
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -290,16 +288,7 @@ func TestBootInitThenJoin(t *testing.T) {
 // progress, the boot has its finish time, and the build is named.
 func checkBootMetrics(t *testing.T, url string) {
 	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	text := string(body)
+	_, text := fetch(t, url)
 	for _, step := range bootSteps() {
 		for _, line := range []string{`berth_boot_step{step="` + step + `"} 0`, `berth_boot_step_duration_seconds_count{step="` + step + `"} 1`} {
 			if !strings.Contains(text, line+"\n") {
