@@ -144,6 +144,8 @@ func TestBootInitThenJoin(t *testing.T) {
 	}
 	cp, worker, broken := newNode(cpAddr), newNode(workerAddr), newNode(brokenAddr)
 	broken.kubeadm.failJoins = 1
+	// The control-plane node counts its unlocks and seals, and shows its certificates' expiry.
+	cp.cfg.MetricsListen = net.JoinHostPort(cpAddr.String(), strconv.Itoa(freePort(t, cpAddr.String())))
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -221,6 +223,12 @@ func TestBootInitThenJoin(t *testing.T) {
 	if err := worker.agent.Boot(ctx); err != nil {
 		t.Fatal(cp.logs.Logf("worker reboot: %v\n--- worker log ---\n%s", err, worker.logs.String()))
 	}
+	// A worker that does not seal opens its disk with a rejoin ticket; the TPM is not asked, so nothing fell back.
+	checkSamples(t, worker.agent, map[string]float64{
+		`berth_state_disk_unlock_duration_seconds{via="new_disk"}`: 1, `berth_state_disk_unlock_duration_seconds{via="rejoin_ticket"}`: 1,
+		`berth_state_disk_unlock_duration_seconds{via="tpm"}`: 0, `berth_local_unlock_fallbacks_total{reason="nothing_sealed"}`: 0,
+		`berth_seals_total{result="ok"}`: 0,
+	})
 	if got := worker.kubeadm.calls; len(got) != 1 || got[0] != "join" {
 		t.Errorf("worker ran kubeadm %v, want one join (a reboot must not join again)", got)
 	}
@@ -279,8 +287,57 @@ func TestBootInitThenJoin(t *testing.T) {
 	if got := cp.kubeadm.calls; len(got) != 1 {
 		t.Errorf("control-plane node ran kubeadm %v over two boots, want one init", got)
 	}
+	// Its process counted both boots' unlocks (the first keyed a new disk, the second unsealed it) and the
+	// seals after the init and at each policy load; the cluster's CA, written at the init, shows its expiry.
+	checkSamples(t, cp.agent, map[string]float64{
+		`berth_state_disk_unlock_duration_seconds{via="new_disk"}`: 1, `berth_state_disk_unlock_duration_seconds{via="tpm"}`: 1,
+		`berth_state_disk_unlock_duration_seconds{via="rejoin_ticket"}`: 0, `berth_seals_total{result="error"}`: 0,
+		`berth_certificate_expiry_timestamp_seconds{certificate="ca"}`: float64(kubeCA.Cert.NotAfter.Unix()),
+	})
+	if seals := sample(t, cp.agent, `berth_seals_total{result="ok"}`); seals < 2 {
+		t.Errorf("the control-plane node sealed %v times, want at least after its init and at its join service's policy load", seals)
+	}
 	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatalf("control-plane agent after reboot: %v", err)
+	}
+}
+
+// sample is the value of the agent process's series name{label="value"} (a histogram's count), or -1 when
+// there is no such series. It reads the registry, which outlives a boot's metrics server in a test that
+// boots one agent twice.
+func sample(t *testing.T, a *Agent, series string) float64 {
+	t.Helper()
+	families, err := a.telemetry.metrics.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
+			}
+			if f.GetName()+"{"+strings.Join(labels, ",")+"}" != series {
+				continue
+			}
+			switch {
+			case m.Histogram != nil:
+				return float64(m.Histogram.GetSampleCount())
+			case m.Counter != nil:
+				return m.Counter.GetValue()
+			}
+			return m.Gauge.GetValue()
+		}
+	}
+	return -1
+}
+
+func checkSamples(t *testing.T, a *Agent, want map[string]float64) {
+	t.Helper()
+	for series, v := range want {
+		if got := sample(t, a, series); got != v {
+			t.Errorf("%s = %v, want %v", series, got, v)
+		}
 	}
 }
 

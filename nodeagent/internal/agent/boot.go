@@ -188,14 +188,21 @@ func (b *boot) startKubelet(ctx context.Context) {
 // died before its join finished.
 func (b *boot) becomeMember(ctx context.Context) error {
 	a, log := b.a, b.log
+	metrics, start := a.telemetry.metrics, time.Now()
 	if b.prepared.Fresh {
 		b.startKubelet(ctx)
-		return a.firstBoot(ctx, log, b.self, b.prepared, b.prover, b.lock, b.jc)
+		if err := a.firstBoot(ctx, log, b.self, b.prepared, b.prover, b.lock, b.jc); err != nil {
+			return err
+		}
+		metrics.StateDiskUnlocked(unlockedNewDisk, time.Since(start))
+		return nil
 	}
-	var err error
-	if b.unlockPolicy, b.unsealed, err = a.unlockKeyed(ctx, log, b.jc, b.keeper, b.prover, b.self, b.prepared.UUID); err != nil {
+	unlockPolicy, via, err := a.unlockKeyed(ctx, log, b.jc, b.keeper, b.prover, b.self, b.prepared.UUID)
+	if err != nil {
 		return err
 	}
+	metrics.StateDiskUnlocked(via, time.Since(start))
+	b.unlockPolicy, b.unsealed = unlockPolicy, via == unlockedTPM
 	state, err := nodestate.Read(a.cfg.Paths.State)
 	switch {
 	case errors.Is(err, nodestate.ErrNoState):

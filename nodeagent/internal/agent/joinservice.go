@@ -28,6 +28,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
 	"github.com/berthlabs/berth/nodeagent/internal/telemetry"
@@ -188,6 +189,16 @@ type processTelemetry struct {
 	err     error
 }
 
+// newMetrics are the agent process's metrics, with the fixed label values of every server it may run.
+func (a *Agent) newMetrics(log *slog.Logger) *telemetry.Metrics {
+	labels := joinserver.TelemetryLabels(a.deps.Build)
+	labels.InitResults, labels.BootSteps = initserver.Results, bootSteps()
+	labels.Unlocks, labels.LocalUnlockFallbacks = unlockVias, localUnlockFallbacks
+	m := telemetry.New(labels)
+	m.WatchCertificates(kubecerts.Files(a.cfg.Paths), log)
+	return m
+}
+
 // startTelemetry starts the process's metrics and health server on metricsListen, once, serving until ctx
 // ends; without metricsListen it returns nil metrics and server.
 func (a *Agent) startTelemetry(ctx context.Context) (*processTelemetry, error) {
@@ -202,9 +213,7 @@ func (a *Agent) startTelemetry(ctx context.Context) (*processTelemetry, error) {
 			return
 		}
 		log := a.log.With("component", "metrics")
-		labels := joinserver.TelemetryLabels(a.deps.Build)
-		labels.InitResults, labels.BootSteps = initserver.Results, bootSteps()
-		t.metrics = telemetry.New(labels)
+		t.metrics = a.newMetrics(log)
 		t.server = telemetry.NewServer(t.metrics, log)
 		go func() {
 			if err := t.server.Serve(ctx, lis); err != nil {

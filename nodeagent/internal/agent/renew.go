@@ -3,13 +3,11 @@ package agent
 import (
 	"context"
 	"crypto/x509"
-	"encoding/pem"
-	"fmt"
 	"log/slog"
-	"os"
 	"time"
 
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
+	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 )
 
 // renewRetry is how long the agent waits before it looks at the kubelet's certificate again after it
@@ -24,7 +22,7 @@ func (a *Agent) renewKubeletCertificate(ctx context.Context, log *slog.Logger, j
 	var renewed time.Time
 	for {
 		wait := renewRetry
-		cert, err := kubeletCertificate(joinclient.KubeletCertPath(a.cfg.Paths))
+		cert, err := kubecerts.Read(joinclient.KubeletCertPath(a.cfg.Paths))
 		if err != nil {
 			log.Warn("reading the kubelet's client certificate", "error", err)
 		} else {
@@ -63,22 +61,4 @@ func (a *Agent) renewKubeletCertificate(ctx context.Context, log *slog.Logger, j
 func renewAt(cert *x509.Certificate) time.Time {
 	life := cert.NotAfter.Sub(cert.NotBefore)
 	return cert.NotBefore.Add(life * 2 / 3)
-}
-
-// kubeletCertificate reads the certificate of the kubelet's client certificate-and-key file: the first PEM
-// block, the key following it.
-func kubeletCertificate(path string) (*x509.Certificate, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	block, _ := pem.Decode(data)
-	if block == nil || block.Type != "CERTIFICATE" {
-		return nil, fmt.Errorf("%s does not begin with a PEM certificate", path)
-	}
-	cert, err := x509.ParseCertificate(block.Bytes)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	return cert, nil
 }

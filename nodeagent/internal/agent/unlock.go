@@ -25,7 +25,11 @@ func (a *Agent) localUnlock(ctx context.Context, prover Prover, role metadata.Ro
 	if !a.cfg.sealsLocally(role) {
 		return nil, a.disk.RemoveSealedKeys(ctx)
 	}
-	a.keeper = localunlock.NewKeeper(localunlock.KeeperConfig{TPM: prover, Disk: a.disk, Role: role,
+	var observer localunlock.SealObserver
+	if a.telemetry.metrics != nil {
+		observer = a.telemetry.metrics
+	}
+	a.keeper = localunlock.NewKeeper(localunlock.KeeperConfig{TPM: prover, Disk: a.disk, Role: role, Observer: observer,
 		PolicyFile:        filepath.Join(a.cfg.Paths.State, joinclient.UnlockPolicyFile),
 		InitialPolicyFile: filepath.Join(a.cfg.Paths.State, InitialPolicyFile),
 		Logger:            log.With("component", "local-unlock")})
@@ -53,24 +57,42 @@ func (a *Agent) refreshSeal(ctx context.Context, jc *joinclient.Client, keeper *
 	})
 }
 
+// How a boot opened its state disk, as berth_state_disk_unlock_duration_seconds labels it.
+const (
+	unlockedNewDisk  = "new_disk"
+	unlockedTPM      = "tpm"
+	unlockedRejoin   = "rejoin_ticket"
+	unlockedRecovery = "recovery"
+)
+
+var unlockVias = []string{unlockedNewDisk, unlockedTPM, unlockedRejoin, unlockedRecovery}
+
+// Why a sealing node's TPM did not open its state disk, as berth_local_unlock_fallbacks_total labels it:
+// nothing sealed (the first boot after its join, or sealing failed), the TPM refused to unseal (the boot's
+// measurements are not among the images the key was sealed to), or the unsealed key did not open the disk.
+var localUnlockFallbacks = []string{"nothing_sealed", "refused", "wrong_key"}
+
 // unlockKeyed opens a disk that was keyed on an earlier boot: from the TPM when a key sealed there opens at
-// this boot's measurements (unsealed), and otherwise with a rejoin ticket, whose unlock policy it returns,
-// or by an operator's recovery, whichever comes first.
-func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Keeper, prover Prover, self *metadata.Self, disk string) (unlockPolicy []byte, unsealed bool, err error) {
+// this boot's measurements, and otherwise with a rejoin ticket, whose unlock policy it returns, or by an
+// operator's recovery, whichever comes first. via says which (unlockVias).
+func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclient.Client, unlock *localunlock.Keeper, prover Prover, self *metadata.Self, disk string) (unlockPolicy []byte, via string, err error) {
 	if unlock != nil {
 		key, image, err := unlock.Unlock(ctx)
 		switch {
 		case err == nil:
 			if err := (unlockingDisk{a}).SetKey(ctx, nil, key); err != nil {
 				log.Warn("the key unsealed from the TPM does not open the state disk; asking for a rejoin ticket", "disk", disk, "error", err)
+				a.telemetry.metrics.LocalUnlockFellBack("wrong_key")
 				break
 			}
 			log.Info("state disk unlocked from the TPM", "disk", disk, "image", image)
-			return nil, true, nil
+			return nil, unlockedTPM, nil
 		case errors.Is(err, localunlock.ErrNothingSealed):
 			log.Info("no key is sealed on the state disk; asking for a rejoin ticket", "disk", disk)
+			a.telemetry.metrics.LocalUnlockFellBack("nothing_sealed")
 		default:
 			log.Warn("local unlock refused; asking for a rejoin ticket", "disk", disk, "reason", err)
+			a.telemetry.metrics.LocalUnlockFellBack("refused")
 		}
 	}
 	log.Info("state disk was keyed on an earlier boot; asking for a rejoin ticket", "disk", disk)
@@ -78,7 +100,7 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 	// can help, that is the way back.
 	rec, stop, err := a.startRecoveryServer(ctx, prover, self, disk, log)
 	if err != nil {
-		return nil, false, err
+		return nil, "", err
 	}
 	defer stop()
 	type rejoined struct {
@@ -93,23 +115,23 @@ func (a *Agent) unlockKeyed(ctx context.Context, log *slog.Logger, jc *joinclien
 	select {
 	case r := <-done:
 		if r.err != nil {
-			return nil, false, r.err
+			return nil, "", r.err
 		}
 		// No recovery may set the key at the same time.
 		stop()
 		if err := (unlockingDisk{a}).SetKey(ctx, nil, r.ticket.DiskKey); err != nil {
-			return nil, false, fmt.Errorf("unlocking the state disk: %w", err)
+			return nil, "", fmt.Errorf("unlocking the state disk: %w", err)
 		}
-		return r.ticket.UnlockPolicy, false, nil
+		return r.ticket.UnlockPolicy, unlockedRejoin, nil
 	case <-rec.Done():
 		jc.Stop()
 		<-done
 		log.Info("state disk unlocked by the operator's recovery; rejoin stopped", "disk", disk)
-		return nil, false, nil
+		return nil, unlockedRecovery, nil
 	case <-ctx.Done():
 		jc.Stop()
 		<-done
-		return nil, false, ctx.Err()
+		return nil, "", ctx.Err()
 	}
 }
 

@@ -22,6 +22,7 @@ type Keeper struct {
 	role              metadata.Role
 	policyFile        string
 	initialPolicyFile string
+	observer          SealObserver
 	log               *slog.Logger
 
 	mu sync.Mutex
@@ -39,7 +40,15 @@ type KeeperConfig struct {
 	// policy the key is sealed to. InitialPolicyFile is the init request's policy, which a node that
 	// initialized its cluster seals to until it learns another.
 	PolicyFile, InitialPolicyFile string
-	Logger                        *slog.Logger
+	// Observer learns every seal's outcome, for the node's metrics; nil for none.
+	Observer SealObserver
+	Logger   *slog.Logger
+}
+
+// SealObserver learns the outcome of each seal: a failure costs the node its local unlock at the next boot
+// without failing this one, so it is seen only in the log and here.
+type SealObserver interface {
+	Sealed(err error, took time.Duration, at time.Time)
 }
 
 // NewKeeper returns the keeper of a node that seals its key.
@@ -50,7 +59,7 @@ func NewKeeper(cfg KeeperConfig) *Keeper {
 	}
 	return &Keeper{
 		unlocker: &Unlocker{TPM: cfg.TPM, Disk: cfg.Disk, Role: cfg.Role, Logger: log},
-		role:     cfg.Role, policyFile: cfg.PolicyFile, initialPolicyFile: cfg.InitialPolicyFile, log: log,
+		role:     cfg.Role, policyFile: cfg.PolicyFile, initialPolicyFile: cfg.InitialPolicyFile, observer: cfg.Observer, log: log,
 	}
 }
 
@@ -107,16 +116,27 @@ func (k *Keeper) seal(ctx context.Context, p *policy.Policy) {
 	k.mu.Lock()
 	key := k.key
 	k.mu.Unlock()
+	start := time.Now()
 	if key == nil {
 		k.log.Error("sealing the disk key: no key was set in this boot")
+		k.observe(errors.New("no key"), start)
 		return
 	}
 	if err := k.record(p); err != nil {
 		// Sealing to p still drops what p dropped; only a recovery would seal to an older policy.
 		k.log.Warn("recording the unlock policy failed; a recovery would seal the disk key to an older one", "error", err)
 	}
-	if err := k.unlocker.Seal(ctx, key, p); err != nil {
+	err := k.unlocker.Seal(ctx, key, p)
+	if err != nil {
 		k.log.Warn("sealing the disk key failed; the next boot unlocks with a rejoin ticket", "error", err)
+	}
+	k.observe(err, start)
+}
+
+func (k *Keeper) observe(err error, start time.Time) {
+	if k.observer != nil {
+		now := time.Now()
+		k.observer.Sealed(err, now.Sub(start), now)
 	}
 }
 

@@ -24,12 +24,13 @@ func marshal(t *testing.T, p *policy.Policy) []byte {
 
 // TestKeeperSealAfterBoot: after a boot that did not unlock from the TPM the key is sealed to the ticket's
 // policy if the boot brought one, else to the recorded policy before the init request's; whatever it seals
-// to is recorded first. Without a key set in this boot nothing is sealed.
+// to is recorded first. Without a key set in this boot nothing is sealed. Every attempt reaches the observer.
 func TestKeeperSealAfterBoot(t *testing.T) {
 	u, disk, key := node(t)
 	ctx := t.Context()
 	dir := t.TempDir()
-	k := NewKeeper(KeeperConfig{TPM: u.TPM, Disk: disk, Role: metadata.RoleControlPlane,
+	seals := &sealCounts{}
+	k := NewKeeper(KeeperConfig{TPM: u.TPM, Disk: disk, Role: metadata.RoleControlPlane, Observer: seals,
 		PolicyFile: filepath.Join(dir, "unlock-policy.yaml"), InitialPolicyFile: filepath.Join(dir, "join-policy.yaml")})
 	this := &policy.Policy{Images: []policy.Image{image("this", 0, nil)}}
 	other := &policy.Policy{Images: []policy.Image{image("other", 1, nil)}}
@@ -37,6 +38,9 @@ func TestKeeperSealAfterBoot(t *testing.T) {
 	k.SealAfterBoot(ctx, marshal(t, this))
 	if _, _, err := k.Unlock(ctx); !errors.Is(err, ErrNothingSealed) {
 		t.Fatalf("sealed without a key set in this boot: %v", err)
+	}
+	if *seals != (sealCounts{failed: 1}) {
+		t.Fatalf("a seal without a key was observed as %+v, want one failure", *seals)
 	}
 	k.SetKey(key)
 
@@ -68,6 +72,20 @@ func TestKeeperSealAfterBoot(t *testing.T) {
 	if _, _, err := k.Unlock(ctx); err == nil {
 		t.Fatal("a garbage policy changed what is sealed")
 	}
+	if *seals != (sealCounts{ok: 3, failed: 1}) {
+		t.Errorf("observed seals %+v, want the three that sealed and the one without a key", *seals)
+	}
+}
+
+// sealCounts is a SealObserver that counts.
+type sealCounts struct{ ok, failed int }
+
+func (c *sealCounts) Sealed(err error, _ time.Duration, _ time.Time) {
+	if err != nil {
+		c.failed++
+		return
+	}
+	c.ok++
 }
 
 // TestKeeperRefresh seals to what current returns at each tick and goes on after an error.

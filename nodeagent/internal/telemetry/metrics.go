@@ -7,6 +7,7 @@
 package telemetry
 
 import (
+	"log/slog"
 	"runtime"
 	"slices"
 	"sync"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/cloud/apicalls"
 	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 )
 
 // Results of a join service exchange, as berth_join_exchange_duration_seconds labels them.
@@ -49,6 +51,16 @@ var initBuckets = []float64{.01, .1, 1, 10, 30, 60, 120, 180, 300, 450, 600, 900
 // wait for its operator.
 var bootBuckets = []float64{.01, .1, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 3600}
 
+// sealBuckets span sealing the disk key to a policy's images: milliseconds on a swtpm, a few seconds on a
+// slow vTPM for a policy of many images (one TPM session each), bounded by the TPM's own timeouts.
+var sealBuckets = []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
+
+// Outcomes of sealing the disk key, as berth_seals_total labels them.
+const (
+	ResultOK    = "ok"
+	ResultError = "error"
+)
+
 // Labels are the fixed label values of the metrics.
 type Labels struct {
 	// JoinCalls are the join service's calls (join, rejoin, renew).
@@ -62,6 +74,9 @@ type Labels struct {
 	InitResults []string
 	// BootSteps are the steps of a node's boot.
 	BootSteps []string
+	// Unlocks are the ways a node's state disk is opened (a new disk keyed, its TPM, a rejoin ticket, an
+	// operator's recovery); LocalUnlockFallbacks the reasons a sealing node's TPM did not open it.
+	Unlocks, LocalUnlockFallbacks []string
 	// Build is the agent's, for berth_build_info.
 	Build Build
 }
@@ -96,6 +111,13 @@ type Metrics struct {
 	bootStep         *prometheus.GaugeVec
 	bootStepDuration *prometheus.HistogramVec
 	bootFinished     prometheus.Gauge
+
+	unlockDuration  *prometheus.HistogramVec
+	unlockFallbacks *prometheus.CounterVec
+	seals           *prometheus.CounterVec
+	sealDuration    prometheus.Histogram
+	sealLastOK      prometheus.Gauge
+	certificates    *certificateCollector
 }
 
 // New makes the metrics with every series of the fixed lists at zero, so that a rate over a fresh process
@@ -158,6 +180,27 @@ func New(labels Labels) *Metrics {
 	m.bootFinished = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "berth_boot_finished_timestamp_seconds", Help: "When this boot finished, in Unix seconds; 0 while it runs.",
 	})
+	m.unlockDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "berth_state_disk_unlock_duration_seconds", Help: "From the start of a boot's membership step until its state disk was open (a new disk: keyed, and the node joined or initialized), by how it was opened; its count is the number of such boots.",
+		Buckets: bootBuckets,
+	}, []string{"via"})
+	m.unlockFallbacks = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "berth_local_unlock_fallbacks_total", Help: "Boots of a sealing node whose TPM did not open its state disk, so that it asked for a rejoin ticket, by reason.",
+	}, []string{"reason"})
+	m.seals = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "berth_seals_total", Help: "Seals of the disk key to the node's unlock policy, by result (ok, error).",
+	}, []string{"result"})
+	m.sealDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "berth_seal_duration_seconds", Help: "How long sealing the disk key took, failed seals included.",
+		Buckets: sealBuckets,
+	})
+	m.sealLastOK = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "berth_seal_last_success_timestamp_seconds", Help: "When the disk key was last sealed, in Unix seconds; 0 if not in this process.",
+	})
+	m.certificates = &certificateCollector{
+		desc: prometheus.NewDesc("berth_certificate_expiry_timestamp_seconds", "When the node's certificate expires (its NotAfter), in Unix seconds, by certificate; read from disk at each scrape.", []string{"certificate"}, nil),
+		log:  slog.New(slog.DiscardHandler),
+	}
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "berth_build_info", Help: "1, labelled with the agent's version, the Kubernetes version it was built with and Go's.",
 		ConstLabels: prometheus.Labels{"version": labels.Build.Version, "kubernetes_version": labels.Build.KubernetesVersion, "go_version": runtime.Version()},
@@ -166,6 +209,7 @@ func New(labels Labels) *Metrics {
 	m.reg.MustRegister(m.issued, m.refused, m.errored, m.joinDuration, m.initTotal, m.initDuration, m.apiRequests,
 		m.policyLoaded, m.policyImages, m.policyLoads, m.policyLoadAt, m.policyInfo, m.connections, m.apiReachGauge,
 		m.bootStep, m.bootStepDuration, m.bootFinished, buildInfo,
+		m.unlockDuration, m.unlockFallbacks, m.seals, m.sealDuration, m.sealLastOK, m.certificates,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	for _, call := range withOther(labels.JoinCalls) {
@@ -187,6 +231,15 @@ func New(labels Labels) *Metrics {
 	for _, step := range labels.BootSteps {
 		m.bootStep.WithLabelValues(step)
 		m.bootStepDuration.WithLabelValues(step)
+	}
+	for _, via := range withOther(labels.Unlocks) {
+		m.unlockDuration.WithLabelValues(via)
+	}
+	for _, r := range withOther(labels.LocalUnlockFallbacks) {
+		m.unlockFallbacks.WithLabelValues(r)
+	}
+	for _, r := range []string{ResultOK, ResultError} {
+		m.seals.WithLabelValues(r)
 	}
 	for _, api := range withOther([]string{APIKubernetes, APIEC2, APICompute}) {
 		for _, o := range []apicalls.Outcome{apicalls.OK, apicalls.Throttled, apicalls.Error} {
@@ -256,6 +309,45 @@ func (m *Metrics) BootFinished(at time.Time) {
 		return
 	}
 	m.bootFinished.Set(float64(at.UnixNano()) / 1e9)
+}
+
+// StateDiskUnlocked records that the state disk was opened via one of the Unlocks, took after the start of
+// the boot's membership step.
+func (m *Metrics) StateDiskUnlocked(via string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.unlockDuration.WithLabelValues(pick(via, m.labels.Unlocks)).Observe(took.Seconds())
+}
+
+// LocalUnlockFellBack counts a boot whose TPM did not open the state disk, for reason.
+func (m *Metrics) LocalUnlockFellBack(reason string) {
+	if m == nil {
+		return
+	}
+	m.unlockFallbacks.WithLabelValues(pick(reason, m.labels.LocalUnlockFallbacks)).Inc()
+}
+
+// Sealed records a seal of the disk key that ended at at after took, with err (nil when it succeeded).
+func (m *Metrics) Sealed(err error, took time.Duration, at time.Time) {
+	if m == nil {
+		return
+	}
+	m.sealDuration.Observe(took.Seconds())
+	if err != nil {
+		m.seals.WithLabelValues(ResultError).Inc()
+		return
+	}
+	m.seals.WithLabelValues(ResultOK).Inc()
+	m.sealLastOK.Set(float64(at.UnixNano()) / 1e9)
+}
+
+// WatchCertificates makes files the certificates whose expiry the metrics show, read at each scrape; an
+// unreadable one is logged to log once.
+func (m *Metrics) WatchCertificates(files []kubecerts.File, log *slog.Logger) {
+	m.certificates.mu.Lock()
+	defer m.certificates.mu.Unlock()
+	m.certificates.files, m.certificates.log = slices.Clone(files), log
 }
 
 // Calls counts the requests to api (APIKubernetes, APIEC2, APICompute) by outcome.

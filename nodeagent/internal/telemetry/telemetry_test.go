@@ -1,15 +1,19 @@
 package telemetry
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -18,13 +22,15 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/berthlabs/berth/internal/cloud/apicalls"
+	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 )
 
 var testLabels = Labels{
 	JoinCalls: []string{"join", "rejoin"}, JoinRefusals: []string{"measurements", "role"},
 	JoinErrors: []string{"internal", "stream"}, InitResults: []string{"initialized", "refused"},
-	BootSteps: []string{"tpm", "membership"}, Build: Build{Version: "v0.9.0", KubernetesVersion: "v1.36.3"},
+	BootSteps: []string{"tpm", "membership"}, Unlocks: []string{"tpm", "rejoin_ticket"}, LocalUnlockFallbacks: []string{"refused"}, Build: Build{Version: "v0.9.0", KubernetesVersion: "v1.36.3"},
 }
 
 // series is every sample of the registry as "name{label=value,...}" → value.
@@ -195,6 +201,78 @@ func TestBootAndBuild(t *testing.T) {
 	none.BootFinished(time.Now())
 }
 
+// TestUnlockAndSeal: how each boot opened its disk, why the TPM did not, and each seal's outcome are counted
+// under their fixed labels; a seal's success sets its time, a failure leaves it; nil metrics take the calls.
+func TestUnlockAndSeal(t *testing.T) {
+	m := New(testLabels)
+	m.StateDiskUnlocked("tpm", 2*time.Second)
+	m.StateDiskUnlocked("made-up", time.Second)
+	m.LocalUnlockFellBack("refused")
+	m.Sealed(nil, time.Second, time.Unix(200, 0))
+	m.Sealed(errors.New("TPM busy"), time.Second, time.Unix(400, 0))
+	got := series(t, m)
+	for s, v := range map[string]float64{
+		"berth_state_disk_unlock_duration_seconds{via=tpm}": 1, "berth_state_disk_unlock_duration_seconds{via=rejoin_ticket}": 0,
+		"berth_state_disk_unlock_duration_seconds{via=other}": 1, "berth_local_unlock_fallbacks_total{reason=refused}": 1,
+		"berth_local_unlock_fallbacks_total{reason=other}": 0, "berth_seals_total{result=ok}": 1, "berth_seals_total{result=error}": 1,
+		"berth_seal_duration_seconds{}": 2, "berth_seal_last_success_timestamp_seconds{}": 200,
+	} {
+		if got[s] != v {
+			t.Errorf("%s = %v, want %v", s, got[s], v)
+		}
+	}
+	var none *Metrics
+	none.StateDiskUnlocked("tpm", time.Second)
+	none.LocalUnlockFellBack("refused")
+	none.Sealed(nil, time.Second, time.Now())
+}
+
+// TestCertificateExpiry: each certificate's expiry is read again at each scrape, so a renewal on disk shows
+// at once; an absent file has no series, and an unreadable one has none and is logged once.
+func TestCertificateExpiry(t *testing.T) {
+	dir := t.TempDir()
+	end := time.Date(2027, 11, 28, 10, 0, 0, 0, time.UTC)
+	write := func(name string, notAfter time.Time) string {
+		ca, err := pki.NewCA("test", notAfter.Add(-time.Hour), time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, ca.CertPEM(), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	garbage := filepath.Join(dir, "garbage.crt")
+	if err := os.WriteFile(garbage, []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	m := New(testLabels)
+	m.WatchCertificates([]kubecerts.File{{Name: "apiserver", Path: write("apiserver.crt", end)},
+		{Name: "absent", Path: filepath.Join(dir, "absent.crt")}, {Name: "garbage", Path: garbage}},
+		slog.New(slog.NewTextHandler(&logs, nil)))
+	check := func(want time.Time) {
+		t.Helper()
+		var got []string
+		for s, v := range series(t, m) {
+			if strings.HasPrefix(s, "berth_certificate_expiry_timestamp_seconds") {
+				got = append(got, fmt.Sprintf("%s %v", s, time.Unix(int64(v), 0).UTC()))
+			}
+		}
+		if want := []string{fmt.Sprintf("berth_certificate_expiry_timestamp_seconds{certificate=apiserver} %v", want)}; !slices.Equal(got, want) {
+			t.Errorf("series %q, want %q", got, want)
+		}
+	}
+	check(end)
+	check(end)
+	if n := strings.Count(logs.String(), "certificate=garbage"); n != 1 || strings.Contains(logs.String(), "absent") {
+		t.Errorf("logged over two scrapes (want the garbage once, nothing of the absent file):\n%s", logs.String())
+	}
+	write("apiserver.crt", end.AddDate(1, 0, 0))
+	check(end.AddDate(1, 0, 0))
+}
+
 // TestHistogramsCoverTheirTimeouts: an init may take berth_cluster's init_timeout (15 minutes by default) and a
 // boot may wait an hour for its operator; each must land in a bucket below +Inf, or the quantiles of the
 // slowest cases, the ones alerts are about, are unknown.
@@ -204,6 +282,7 @@ func TestHistogramsCoverTheirTimeouts(t *testing.T) {
 		longest time.Duration
 	}{
 		"init": {initBuckets, 15 * time.Minute}, "join": {exchangeBuckets, 30 * time.Second}, "boot": {bootBuckets, time.Hour},
+		"seal": {sealBuckets, 30 * time.Second},
 	} {
 		if top := c.buckets[len(c.buckets)-1]; top < c.longest.Seconds() {
 			t.Errorf("%s buckets end at %vs, below the %v they must cover", name, top, c.longest)
