@@ -79,6 +79,7 @@ type clusterModel struct {
 	PodSubnet            types.String `tfsdk:"pod_subnet"`
 	ServiceSubnet        types.String `tfsdk:"service_subnet"`
 	PodNetwork           types.String `tfsdk:"pod_network"`
+	CertificateValidity  types.String `tfsdk:"certificate_validity"`
 	PCRs                 types.Map    `tfsdk:"pcrs"`
 	platform.Trust
 	KubernetesCACertificate types.String `tfsdk:"kubernetes_ca_certificate"`
@@ -123,7 +124,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"(`TF_LOG_PROVIDER=INFO`); so is kubeadm's output, as it arrives. A failed init shows kubeadm's last " +
 			"lines.\n\n" +
 			"What the node acted on when it ran `kubeadm init` (`endpoint`, `cluster_name`, `kubernetes_version`, " +
-			"`control_plane_endpoint`, `pod_subnet`, `service_subnet`, `pod_network` and the two CA certificates) is fixed once " +
+			"`control_plane_endpoint`, `pod_subnet`, `service_subnet`, `pod_network`, `certificate_validity` and the two CA " +
+			"certificates) is fixed once " +
 			"the cluster exists: a plan that changes one of them fails, naming it, rather than planning a " +
 			"replacement, which would drop the running cluster and its admin kubeconfig from state before a new " +
 			"init. Kubernetes upgrades are not supported yet. For a new cluster with other settings, " +
@@ -189,6 +191,15 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 					"encrypted, and NetworkPolicy is not enforced. `none` is for a plugin you bring (Cilium, Calico, " +
 					"a cloud's own), installed once the API server answers. docs/networking.md weighs the two. " +
 					"Fixed once the cluster exists; clusters made before this setting have `none`.",
+			},
+			"certificate_validity": schema.StringAttribute{
+				Optional: true,
+				MarkdownDescription: "How long kubeadm's control-plane certificates last (ClusterConfiguration " +
+					"`certificateValidityPeriod`), as a Go duration of at least `" + minCertificateValidity.String() +
+					"`, such as `2160h` for 90 days. Default: kubeadm's year. Each control-plane node's agent renews its " +
+					"certificates `certificateRenewBefore` (30 days, docs/agent.md) before they end, for the same " +
+					"validity, so a validity shorter than that needs the image's agent configured to renew earlier. " +
+					"The cluster's CAs last `berth_secrets`' `ca_validity_days`. Fixed once the cluster exists.",
 			},
 			"pcrs": schema.MapAttribute{
 				Required:    true,
@@ -284,6 +295,13 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 		pcrValues(ctx, m.PCRs, path.Root("pcrs"), "", &resp.Diagnostics)
 	}
 	m.Trust.Validate(ctx, &resp.Diagnostics)
+	if known(m.CertificateValidity) {
+		if d, err := time.ParseDuration(m.CertificateValidity.ValueString()); err != nil || d < minCertificateValidity || d > maxCertificateValidity {
+			resp.Diagnostics.AddAttributeError(path.Root("certificate_validity"), "Invalid certificate validity",
+				fmt.Sprintf("%q is not a Go duration from %s to %s, such as 2160h for 90 days.", m.CertificateValidity.ValueString(),
+					minCertificateValidity, maxCertificateValidity))
+		}
+	}
 	if known(m.InitTimeout) {
 		if d, err := time.ParseDuration(m.InitTimeout.ValueString()); err != nil || d <= 0 {
 			resp.Diagnostics.AddAttributeError(path.Root("init_timeout"), "Invalid timeout",
@@ -331,9 +349,20 @@ func initSettings(m *clusterModel) []initSetting {
 	return []initSetting{
 		{"endpoint", m.Endpoint}, {"cluster_name", m.ClusterName}, {"kubernetes_version", m.KubernetesVersion},
 		{"control_plane_endpoint", m.ControlPlaneEndpoint}, {"pod_subnet", m.PodSubnet}, {"service_subnet", m.ServiceSubnet},
-		{"pod_network", m.PodNetwork},
+		{"pod_network", m.PodNetwork}, {"certificate_validity", m.CertificateValidity},
 		{"kubernetes_ca_certificate", m.KubernetesCACertificate}, {"join_ca_certificate", m.JoinCACertificate},
 	}
+}
+
+// sameDuration says whether name is certificate_validity and a and b spell the same duration: an import
+// reads it from the cluster's record, which may spell it another way than the configuration ("2160h0m0s").
+func sameDuration(name string, a, b types.String) bool {
+	if name != "certificate_validity" || a.IsNull() || b.IsNull() {
+		return false
+	}
+	da, errA := time.ParseDuration(a.ValueString())
+	db, errB := time.ParseDuration(b.ValueString())
+	return errA == nil && errB == nil && da == db
 }
 
 // refuseInitChanges adds an error on each init setting whose known value in plan differs from the
@@ -342,7 +371,7 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
 	was := initSettings(state)
 	for i, now := range initSettings(plan) {
 		old := was[i].v
-		if now.v.IsUnknown() || now.v.Equal(old) {
+		if now.v.IsUnknown() || now.v.Equal(old) || sameDuration(now.name, now.v, old) {
 			continue
 		}
 		cluster := "Cluster " + state.ClusterID.ValueString()
@@ -424,6 +453,14 @@ func kubernetesVersionError(v string) string {
 	}
 	return fmt.Sprintf("kubernetes_version is %q, which is not a Kubernetes release such as \"v1.36.3\" (%s).", v, image)
 }
+
+// The range of certificate_validity: a day at least, since a renewal 30 days ahead would otherwise run at
+// every hourly check of a default agent (the node's kubeadm takes 3 minutes, for tests); ten years at most,
+// as long as kubeadm's own CAs.
+const (
+	minCertificateValidity = 24 * time.Hour
+	maxCertificateValidity = 10 * 365 * 24 * time.Hour
+)
 
 // The subnets the node's kubeadm configuration takes when pod_subnet or service_subnet is unset: Berth's
 // (internal/kubeadm.DefaultPodSubnet) and kubeadm's own (DefaultServiceSubnet). They are repeated here
@@ -684,6 +721,11 @@ func initRequest(plan, config *clusterModel, diags *diag.Diagnostics) *berthv1.I
 		ServiceSubnet:           plan.ServiceSubnet.ValueString(),
 		PodNetwork:              plan.PodNetwork.ValueString(),
 	}
+	if v := plan.CertificateValidity; known(v) {
+		// ValidateConfig checked it.
+		d, _ := time.ParseDuration(v.ValueString())
+		req.CertificateValiditySeconds = int64(d / time.Second)
+	}
 	// A key that does not belong to its certificate is caught here rather than by kubeadm on the node.
 	for _, ca := range []struct{ name, cert, key string }{
 		{"kubernetes_ca_key_wo", plan.KubernetesCACertificate.ValueString(), kubeKey},
@@ -829,6 +871,8 @@ func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest
 	}
 	state.PCRs, state.Trust = plan.PCRs, plan.Trust
 	state.InitTimeout = plan.InitTimeout
+	// The same duration, perhaps spelt otherwise (after an import): the configuration's spelling.
+	state.CertificateValidity = plan.CertificateValidity
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }
 
@@ -908,6 +952,7 @@ func (r *clusterResource) ImportState(ctx context.Context, req resource.ImportSt
 		"pod_subnet":                optional(settings.PodSubnet),
 		"service_subnet":            optional(settings.ServiceSubnet),
 		"pod_network":               types.StringValue(settings.PodNetwork),
+		"certificate_validity":      optional(settings.CertificateValidity),
 		"kubernetes_ca_certificate": types.StringValue(string(c.kubeCA.CertPEM())),
 		"join_ca_certificate":       types.StringValue(string(c.joinCA.CertPEM())),
 		"init_timeout":              types.StringValue(defaultInitTimeout),

@@ -100,6 +100,7 @@ func TestClusterResourceRefusals(t *testing.T) {
 			planOnly(clusterArgs("127.0.0.1:1", "lab", `{ "11" = "ABCD" }`), `(?s)Invalid PCR value.*PCR 11 must be 64 lowercase hex`),
 			planOnly(clusterArgs("127.0.0.1:1", "lab", `{}`), `(?s)No measurements.*unmeasured node`),
 			planOnly(good+`  init_timeout = "soon"`, `(?s)Invalid timeout.*"soon"`),
+			planOnly(good+`  certificate_validity = "1h"`, `(?s)Invalid certificate validity.*"1h" is not a Go duration from 24h0m0s`),
 			{
 				Config:          clusterConfig(good),
 				ConfigVariables: config.Variables{"root_key": vars["root_key"], "ek_ca": config.StringVariable("not PEM")},

@@ -82,7 +82,8 @@ subjects:
 	}
 	apiServer := u.Host
 	record := clusterinfo.Info{ID: id, Name: "lab", Init: clusterinfo.InitSettings{KubernetesVersion: "v1.36.3",
-		PodNetwork: "flannel", APIServerEndpoint: apiServer, JoinCACertificate: string(joinCA.CertPEM())}}
+		PodNetwork: "flannel", APIServerEndpoint: apiServer, JoinCACertificate: string(joinCA.CertPEM()),
+		CertificateValidity: "2160h0m0s"}}
 	if err := clusterinfo.Publish(ctx, api.Client, record); err != nil {
 		t.Fatal(err)
 	}
@@ -106,7 +107,8 @@ subjects:
 		}
 	}
 	// Nothing listens at the endpoint: the apply after the import must not need the node.
-	cfg := importConfig(clusterArgs("127.0.0.1:1", "lab", zeroPCR11) + clusterSecrets)
+	// The record spells the certificate validity as the node's Go did; the configuration as a user does.
+	cfg := importConfig(clusterArgs("127.0.0.1:1", "lab", zeroPCR11) + `  certificate_validity = "2160h"` + "\n" + clusterSecrets)
 	clusterID := "127.0.0.1:1," + apiServer
 	step := func(resourceName, importID string, root []byte, want ...string) resource.TestStep {
 		return resource.TestStep{Config: cfg, ConfigVariables: vars(root), ResourceName: resourceName, ImportState: true,
@@ -140,6 +142,7 @@ subjects:
 				for name, want := range map[string]string{
 					"cluster_id": id, "endpoint": "127.0.0.1:1", "cluster_name": "lab", "kubernetes_version": "v1.36.3",
 					"pod_network": "flannel", "api_server_endpoint": apiServer, "init_timeout": defaultInitTimeout,
+					"certificate_validity":      "2160h0m0s",
 					"kubernetes_ca_certificate": string(kubeCA.CertPEM()), "join_ca_certificate": string(joinCA.CertPEM()),
 				} {
 					if a[name] != want {

@@ -337,6 +337,8 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 					`pod_subnet only when it ran kubeadm init, so a change cannot reach the running cluster, and `+
 					`replacing the cluster for it would drop it, and its admin kubeconfig, from state before a new init `+
 					`failed. Leave pod_subnet unset, or list pod_subnet in lifecycle { ignore_changes }.`)),
+			refused(args+`  certificate_validity = "2160h"`, diagnostic("Error: Fixed once the cluster exists",
+				`was initialized with certificate_validity = unset; the configuration now says "2160h".`)),
 			refused(args+`  pod_network = "none"`, diagnostic("Error: Fixed once the cluster exists",
 				`was initialized with pod_network = "flannel"; the configuration now says "none".`)),
 			refused(strings.Replace(args, `cluster_name = "lab"`, `cluster_name = "prod"`, 1), diagnostic("Error: Fixed once the cluster exists",

@@ -37,6 +37,7 @@ const (
 	keyPodNetwork           = "podNetwork"
 	keyAPIServerEndpoint    = "apiServerEndpoint"
 	keyJoinCACertificate    = "joinCACertificate"
+	keyCertificateValidity  = "certificateValidity"
 )
 
 // idLen is the length of keys.ClusterIDOf's hex ID.
@@ -64,6 +65,9 @@ type InitSettings struct {
 	PodNetwork           string
 	APIServerEndpoint    string
 	JoinCACertificate    string
+	// CertificateValidity is how long kubeadm's control-plane certificates last, as a Go duration; "" for
+	// kubeadm's year.
+	CertificateValidity string
 }
 
 // keys pairs each setting with its key in the record.
@@ -76,6 +80,7 @@ func (s *InitSettings) keys() map[string]*string {
 		keyPodNetwork:           &s.PodNetwork,
 		keyAPIServerEndpoint:    &s.APIServerEndpoint,
 		keyJoinCACertificate:    &s.JoinCACertificate,
+		keyCertificateValidity:  &s.CertificateValidity,
 	}
 }
 

@@ -91,7 +91,14 @@ type InitParams struct {
 	// KubeProxy is the cluster-wide kube-proxy configuration kubeadm installs kube-proxy with; zero leaves
 	// kubeadm's defaults.
 	KubeProxy KubeProxySettings
+	// CertificateValidity is how long kubeadm's control-plane certificates last (certificateValidityPeriod),
+	// at init and at every later renewal; zero keeps kubeadm's year.
+	CertificateValidity time.Duration
 }
+
+// MinCertificateValidity is the shortest CertificateValidity: a renewal, which restarts the control plane,
+// takes about a minute, and kubeadm backdates each certificate by 5 minutes.
+const MinCertificateValidity = 3 * time.Minute
 
 // KubeProxySettings are the kube-proxy fields that depend on the machines rather than the cluster.
 type KubeProxySettings struct {
@@ -217,6 +224,12 @@ func InitConfig(p InitParams) ([]byte, error) {
 		CertificatesDir:      certDir,
 		ImageRepository:      p.ImageRepository,
 		ClusterName:          p.ClusterName,
+	}
+	if v := p.CertificateValidity; v != 0 {
+		if v < MinCertificateValidity {
+			return nil, fmt.Errorf("certificate validity %v is shorter than %v", v, MinCertificateValidity)
+		}
+		clusterCfg.CertificateValidityPeriod = &metav1.Duration{Duration: v}
 	}
 	docs := []any{initCfg, clusterCfg}
 	kubelet, err := kubeletDocument(p.Kubelet)

@@ -548,3 +548,23 @@ func TestInitConfigKubeProxy(t *testing.T) {
 		t.Errorf("negative conntrackMaxPerCore: %v", err)
 	}
 }
+
+// TestInitConfigCertificateValidity: a validity reaches kubeadm's ClusterConfiguration, which kubeadm also
+// reads at every renewal; one shorter than a renewal could keep up with is refused.
+func TestInitConfigCertificateValidity(t *testing.T) {
+	p := InitParams{NodeName: "cp-0", AdvertiseAddress: netip.MustParseAddr("192.0.2.7"), KubernetesVersion: "v1.36.3",
+		CertificateValidity: 90 * 24 * time.Hour}
+	b, err := InitConfig(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var internalCluster kubeadmapi.ClusterConfiguration
+	decodeInternal(t, documents(t, b)["ClusterConfiguration"], &internalCluster)
+	if v := internalCluster.CertificateValidityPeriod; v == nil || v.Duration != 90*24*time.Hour {
+		t.Errorf("kubeadm reads certificateValidityPeriod %v, want 2160h", v)
+	}
+	p.CertificateValidity = time.Minute
+	if _, err := InitConfig(p); err == nil || !strings.Contains(err.Error(), "certificate validity") {
+		t.Errorf("a one-minute validity: %v, want refused", err)
+	}
+}

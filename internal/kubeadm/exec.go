@@ -68,6 +68,16 @@ func (e *Exec) Reset(ctx context.Context, progress func(line string)) error {
 	return e.exec(ctx, "reset", []string{"reset", "--force"}, progress)
 }
 
+// RenewCertificates runs `kubeadm certs renew all`: it signs the control-plane node's certificates and
+// kubeconfigs again with the CA keys in certDir, for the validity of the cluster's ClusterConfiguration,
+// which it reads through kubeconfig.
+func (e *Exec) RenewCertificates(ctx context.Context, kubeconfig, certDir string, progress func(line string)) error {
+	if kubeconfig == "" || certDir == "" {
+		return errors.New("kubeadm certs renew: the kubeconfig and the certificates directory are required")
+	}
+	return e.exec(ctx, "certs renew", []string{"certs", "renew", "all", "--kubeconfig", kubeconfig, "--cert-dir", certDir}, progress)
+}
+
 func (e *Exec) run(ctx context.Context, command, configPath string, progress func(string)) error {
 	if configPath == "" {
 		return fmt.Errorf("kubeadm %s: config path is required", command)

@@ -303,3 +303,26 @@ echo "[reset] Deleting contents of directories"`)
 		t.Errorf("failing reset: %v, want an error with kubeadm's output", err)
 	}
 }
+
+func TestExecRenewCertificates(t *testing.T) {
+	argsFile := filepath.Join(t.TempDir(), "args")
+	bin := fakeKubeadm(t, `echo "$@" > `+argsFile+`
+echo "[renew] certificate embedded in the kubeconfig file for the admin to use and for kubeadm itself renewed"`)
+	progress, lines := record()
+	if err := (&Exec{Binary: bin, IgnorePreflightErrors: []string{"Swap"}}).RenewCertificates(context.Background(), "/etc/kubernetes/admin.conf", "/etc/kubernetes/pki", progress); err != nil {
+		t.Fatal(err)
+	}
+	args, err := os.ReadFile(argsFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := strings.TrimSpace(string(args)), "certs renew all --kubeconfig /etc/kubernetes/admin.conf --cert-dir /etc/kubernetes/pki"; got != want {
+		t.Errorf("kubeadm called with %q, want %q", got, want)
+	}
+	if len(*lines) != 1 {
+		t.Errorf("progress lines %q", *lines)
+	}
+	if err := (&Exec{Binary: bin}).RenewCertificates(context.Background(), "", "/etc/kubernetes/pki", nil); err == nil {
+		t.Error("renewed without a kubeconfig")
+	}
+}

@@ -1,10 +1,14 @@
 package lab
 
 import (
+	"bufio"
 	"context"
 	"crypto/rand"
+	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"math/big"
 	"net"
@@ -436,4 +440,145 @@ func TestRecovery(t *testing.T) {
 
 	mark = reboot(ctx, t, l, cp)
 	wantInLog(t, cp, mark, `"msg":"state disk unlocked from the TPM"`)
+}
+
+// TestCertificateRenewal runs a cluster whose control-plane certificates last four minutes, and whose
+// control-plane node renews them three minutes before their end: a minute after its init, once the cluster
+// is up. A renewal restarts the node's API server and waits until the control plane is ready again, which
+// takes this machine about two minutes. Past the first certificates' end, the cluster must still answer,
+// roll out workloads, and admit a new node.
+func TestCertificateRenewal(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	var l *Lab
+	labTest(t, func(c Config) (err error) {
+		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"worker-0", metadata.RoleWorker}}
+		c.CertificateValidity, c.CertificateRenewBefore = 4*time.Minute, 3*time.Minute
+		l, err = Up(ctx, c)
+		return err
+	})
+	checkCertificateRenewal(ctx, t, l, controlPlaneCertificates(t, l))
+}
+
+// controlPlaneCertificates are the API server certificates of the lab's control-plane nodes, by node.
+func controlPlaneCertificates(t *testing.T, l *Lab) map[string]*x509.Certificate {
+	t.Helper()
+	certs := map[string]*x509.Certificate{}
+	for _, n := range l.Nodes {
+		if n.Role != metadata.RoleControlPlane {
+			continue
+		}
+		data, err := os.ReadFile(n.path("fs/etc/kubernetes/pki/apiserver.crt"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		block, _ := pem.Decode(data)
+		if block == nil {
+			t.Fatalf("%s: apiserver.crt holds no PEM", n.Name)
+		}
+		if certs[n.Name], err = x509.ParseCertificate(block.Bytes); err != nil {
+			t.Fatalf("%s: apiserver.crt: %v", n.Name, err)
+		}
+	}
+	return certs
+}
+
+// checkCertificateRenewal waits until the control-plane nodes' first certificates have ended and checks that
+// each node renewed its own before that, one node at a time; that every API server answers with its new
+// certificates; that the controllers (with their renewed kubeconfigs) roll out a Deployment; that the join
+// services, whose admin credentials were renewed under them, still let a new node join; and that the new
+// node reaches the Deployment's Service by name.
+func checkCertificateRenewal(ctx context.Context, t *testing.T, l *Lab, first map[string]*x509.Certificate) {
+	t.Helper()
+	var end time.Time
+	for _, c := range first {
+		if c.NotAfter.After(end) {
+			end = c.NotAfter
+		}
+	}
+	if wait := time.Until(end.Add(15 * time.Second)); wait > 0 {
+		t.Logf("waiting %v for the first control-plane certificates to end", wait.Round(time.Second))
+		select {
+		case <-ctx.Done():
+			t.Fatal(ctx.Err())
+		case <-time.After(wait):
+		}
+	}
+	type span struct {
+		node       string
+		start, end time.Time
+	}
+	var spans []span
+	now := controlPlaneCertificates(t, l)
+	for name, c := range first {
+		if !now[name].NotAfter.After(c.NotAfter) {
+			t.Errorf("%s's API server certificate still ends at %v: not renewed", name, c.NotAfter)
+		}
+		sp := span{node: name}
+		for _, e := range agentLog(t, l.Node(name)) {
+			switch e.Msg {
+			case "renewing the control plane's certificates":
+				sp.start = e.Time
+			case "control plane back with renewed certificates":
+				sp.end = e.Time
+			}
+		}
+		if sp.start.IsZero() || sp.end.IsZero() || !sp.end.Before(c.NotAfter) {
+			t.Errorf("%s: renewal from %v to %v, want one that ended before its certificates' end at %v", name, sp.start, sp.end, c.NotAfter)
+		}
+		spans = append(spans, sp)
+		t.Logf("%s renewed its certificates in %v, %v before the first ones ended", name, sp.end.Sub(sp.start).Round(time.Second), c.NotAfter.Sub(sp.end).Round(time.Second))
+	}
+	for i, a := range spans {
+		for _, b := range spans[i+1:] {
+			if a.start.Before(b.end) && b.start.Before(a.end) {
+				t.Errorf("%s and %s renewed at the same time: %+v, %+v", a.node, b.node, a, b)
+			}
+		}
+	}
+	for name := range first {
+		var readyz string
+		var err error
+		for deadline := time.Now().Add(time.Minute); readyz != "ok"; time.Sleep(time.Second) {
+			readyz, err = l.Kubectl(ctx, "--server", "https://"+l.Node(name).Addr.String()+":6443", "get", "--raw", "/readyz")
+			if time.Now().After(deadline) {
+				t.Fatalf("%s's API server after its first certificates ended: /readyz %q, %v", name, readyz, err)
+			}
+		}
+	}
+	if err := l.WaitAddons(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.ServeProbe(ctx, "renewed", []string{"cp-0", "worker-0"}); err != nil {
+		t.Fatalf("a Deployment after the first certificates ended: %v", err)
+	}
+	if _, err := l.GrowTimed(ctx, NodeSpec{"worker-1", metadata.RoleWorker}); err != nil {
+		t.Fatalf("a join after the join service's first admin credentials ended: %v", err)
+	}
+	checkServiceReached(ctx, t, l, "renewed", "fetch-after-renewal", l.Node("worker-1"))
+}
+
+// agentEntry is one line of a node's agent log.
+type agentEntry struct {
+	Time time.Time `json:"time"`
+	Msg  string    `json:"msg"`
+}
+
+func agentLog(t *testing.T, n *Node) []agentEntry {
+	t.Helper()
+	f, err := os.Open(n.path("logs/agent.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var entries []agentEntry
+	sc := bufio.NewScanner(f)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		var e agentEntry
+		if json.Unmarshal(sc.Bytes(), &e) == nil {
+			entries = append(entries, e)
+		}
+	}
+	return entries
 }

@@ -36,6 +36,8 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/client-go/tools/clientcmd"
+
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances/ec2test"
@@ -98,6 +100,10 @@ type HostConfig struct {
 	// labs makes them once; one directory serves one KubeBin). Empty: the lab's own directory.
 	ImageDir string
 	Progress io.Writer
+	// CertificateValidity, if set, is how long kubeadm's control-plane certificates last (berth_cluster's
+	// certificate_validity), and CertificateRenewBefore how long before their end the nodes renew them
+	// (agent.yaml's certificateRenewBefore): a lab whose certificates end while it runs.
+	CertificateValidity, CertificateRenewBefore time.Duration
 }
 
 // Config is a whole lab for Up: its host, its nodes, and the init of the first.
@@ -385,12 +391,45 @@ func (l *Lab) InitCluster(ctx context.Context, specs []NodeSpec) error {
 	l.Timings["init"] = time.Since(initStart)
 	l.progress("%s: cluster %s initialized in %.1fs", cp.Name, result.ClusterId, l.Timings["init"].Seconds())
 	l.Kubeconfig = l.path("admin.conf")
-	if err := os.WriteFile(l.Kubeconfig, result.Kubeconfig, 0o600); err != nil {
+	kubeconfig := result.Kubeconfig
+	if l.cfg.CertificateValidity != 0 {
+		// The init's admin.conf ends with kubeadm's other certificates; the lab's own lasts as a user's would.
+		if kubeconfig, err = adminKubeconfig(result.Kubeconfig, l.KubeCA, 24*time.Hour); err != nil {
+			return err
+		}
+	}
+	if err := os.WriteFile(l.Kubeconfig, kubeconfig, 0o600); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
 	defer cancel()
 	return l.WaitReady(ctx, l.Nodes)
+}
+
+// adminKubeconfig is kubeconfig with its user's certificate and key replaced by ones ca issues for validity,
+// in kubeadm's group of cluster admins.
+func adminKubeconfig(kubeconfig []byte, ca *pki.CA, validity time.Duration) ([]byte, error) {
+	cfg, err := clientcmd.Load(kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("the init's kubeconfig: %w", err)
+	}
+	key, err := pki.NewKey()
+	if err != nil {
+		return nil, err
+	}
+	cert, err := ca.IssueClient(pki.ClientTemplate{CommonName: "berthlab-admin", Organization: []string{"kubeadm:cluster-admins"}},
+		key.Public(), time.Now(), validity)
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := pki.EncodeKeyPEM(key)
+	if err != nil {
+		return nil, err
+	}
+	for _, user := range cfg.AuthInfos {
+		user.ClientCertificateData, user.ClientKeyData = pki.EncodeCertPEM(cert), keyPEM
+	}
+	return clientcmd.Write(*cfg)
 }
 
 func checkSpecs(specs []NodeSpec) error {
@@ -556,6 +595,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			JoinCaCertificate: s.joinCA.CertPEM(), JoinCaKey: joinKey,
 			ClusterName: "berthlab", KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
 			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"), PodNetwork: podnetwork.Flannel,
+			CertificateValiditySeconds: int64(l.cfg.CertificateValidity / time.Second),
 		},
 	})
 }

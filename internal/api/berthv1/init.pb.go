@@ -433,9 +433,12 @@ type InitRequest struct {
 	JoinPolicy []byte `protobuf:"bytes,13,opt,name=join_policy,json=joinPolicy,proto3" json:"join_policy,omitempty"`
 	// The pod network the node installs once kubeadm init is done: "flannel", or "none" for one the
 	// operator brings. Empty, as providers before this field send it, means "none": what those clusters got.
-	PodNetwork    string `protobuf:"bytes,14,opt,name=pod_network,json=podNetwork,proto3" json:"pod_network,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	PodNetwork string `protobuf:"bytes,14,opt,name=pod_network,json=podNetwork,proto3" json:"pod_network,omitempty"`
+	// How long kubeadm's control-plane certificates last, in seconds, as its ClusterConfiguration's
+	// certificateValidityPeriod: control-plane nodes renew them before they end. 0 keeps kubeadm's year.
+	CertificateValiditySeconds int64 `protobuf:"varint,15,opt,name=certificate_validity_seconds,json=certificateValiditySeconds,proto3" json:"certificate_validity_seconds,omitempty"`
+	unknownFields              protoimpl.UnknownFields
+	sizeCache                  protoimpl.SizeCache
 }
 
 func (x *InitRequest) Reset() {
@@ -564,6 +567,13 @@ func (x *InitRequest) GetPodNetwork() string {
 		return x.PodNetwork
 	}
 	return ""
+}
+
+func (x *InitRequest) GetCertificateValiditySeconds() int64 {
+	if x != nil {
+		return x.CertificateValiditySeconds
+	}
+	return 0
 }
 
 type InitProgress struct {
@@ -696,7 +706,7 @@ const file_internal_api_berthv1_init_proto_rawDesc = "" +
 	"\vhash_length\x18\x02 \x01(\rR\n" +
 	"hashLength\"#\n" +
 	"\x0fInitSecretProof\x12\x10\n" +
-	"\x03mac\x18\x01 \x01(\fR\x03mac\"\xaf\x04\n" +
+	"\x03mac\x18\x01 \x01(\fR\x03mac\"\xf1\x04\n" +
 	"\vInitRequest\x12\x1f\n" +
 	"\vinit_secret\x18\x01 \x01(\fR\n" +
 	"initSecret\x12#\n" +
@@ -716,7 +726,8 @@ const file_internal_api_berthv1_init_proto_rawDesc = "" +
 	"\vjoin_policy\x18\r \x01(\fR\n" +
 	"joinPolicy\x12\x1f\n" +
 	"\vpod_network\x18\x0e \x01(\tR\n" +
-	"podNetwork\"\"\n" +
+	"podNetwork\x12@\n" +
+	"\x1ccertificate_validity_seconds\x18\x0f \x01(\x03R\x1acertificateValiditySeconds\"\"\n" +
 	"\fInitProgress\x12\x12\n" +
 	"\x04line\x18\x01 \x01(\tR\x04line\"{\n" +
 	"\n" +

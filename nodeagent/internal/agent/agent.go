@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/connrotation"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/attest"
@@ -24,6 +25,7 @@ import (
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/rpc"
+	"github.com/berthlabs/berth/nodeagent/internal/certrenew"
 	"github.com/berthlabs/berth/nodeagent/internal/failpoint"
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
@@ -44,9 +46,11 @@ type Prover interface {
 	Close() error
 }
 
-// Kubeadm runs kubeadm (kubeadm.Exec); Reset clears what an interrupted join left behind.
+// Kubeadm runs kubeadm (kubeadm.Exec); Reset clears what an interrupted join left behind, and a
+// control-plane node renews its certificates with it (package certrenew).
 type Kubeadm interface {
 	kubeadm.Runner
+	certrenew.Kubeadm
 	Reset(ctx context.Context, progress func(line string)) error
 }
 
@@ -67,13 +71,17 @@ type Deps struct {
 	// KubeClient connects the join service to the API server with kubeconfig's credentials; server, if set,
 	// is the API server to use instead of the kubeconfig's.
 	KubeClient func(kubeconfig, server string) (kubernetes.Interface, error)
-	Logger     *slog.Logger
+	// ReconnectKube closes the connections of the clients KubeClient made, so that each opens again with the
+	// client certificate now in its kubeconfig's files; nil when they need not.
+	ReconnectKube func()
+	Logger        *slog.Logger
 	// Build names the agent's build in its metrics (berth_build_info).
 	Build telemetry.Build
 }
 
 // RealDeps are the dependencies of a real node.
 func RealDeps(cfg *Config, logger *slog.Logger) Deps {
+	conns := connrotation.NewDialer((&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext)
 	return Deps{
 		OpenProver: func(device string) (Prover, error) {
 			tpm, err := attest.OpenTPM(device)
@@ -87,23 +95,28 @@ func RealDeps(cfg *Config, logger *slog.Logger) Deps {
 			}
 			return p, nil
 		},
-		Kubeadm:    &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
-		KubeClient: kubeClientAt,
-		Logger:     logger,
+		Kubeadm: &kubeadm.Exec{Binary: cfg.Kubeadm, IgnorePreflightErrors: cfg.IgnorePreflightErrors, Logger: logger},
+		KubeClient: func(kubeconfig, server string) (kubernetes.Interface, error) {
+			return kubeClientAt(kubeconfig, server, conns.DialContext)
+		},
+		ReconnectKube: conns.CloseAll,
+		Logger:        logger,
 	}
 }
 
 // KubeClient connects a join service to the API server with kubeconfig.
 func KubeClient(kubeconfig string) (kubernetes.Interface, error) {
-	return kubeClientAt(kubeconfig, "")
+	return kubeClientAt(kubeconfig, "", nil)
 }
 
-// kubeClientAt is KubeClient talking to server (https://host:port) instead of the kubeconfig's, if set.
-func kubeClientAt(kubeconfig, server string) (kubernetes.Interface, error) {
+// kubeClientAt is KubeClient talking to server (https://host:port) instead of the kubeconfig's, if set, and
+// connecting with dial, if set.
+func kubeClientAt(kubeconfig, server string, dial func(ctx context.Context, network, address string) (net.Conn, error)) (kubernetes.Interface, error) {
 	rc, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("loading kubeconfig %s: %w", kubeconfig, err)
 	}
+	rc.Dial = dial
 	rc.QPS, rc.Burst = kubeQPS, kubeBurst
 	// Protobuf, which the API server speaks for every built-in type, costs both ends less than JSON.
 	rc.ContentType = runtime.ContentTypeProtobuf

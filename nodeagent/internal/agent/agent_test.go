@@ -64,6 +64,11 @@ func (k *kubeadmRecorder) Join(ctx context.Context, configPath string, progress 
 	return nil
 }
 
+func (k *kubeadmRecorder) RenewCertificates(ctx context.Context, kubeconfig, certDir string, progress func(string)) error {
+	k.record("renew")
+	return nil
+}
+
 func (k *kubeadmRecorder) Reset(ctx context.Context, progress func(string)) error {
 	k.record("reset")
 	return nil

@@ -16,6 +16,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/podnetwork"
+	"github.com/berthlabs/berth/nodeagent/internal/certrenew"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
@@ -116,6 +117,9 @@ type Config struct {
 	// LocalUnlockRefresh is how often a sealing worker asks the join service for the current policy, to
 	// seal again when it changed; DefaultLocalUnlockRefresh if zero. Control-plane nodes watch the policy.
 	LocalUnlockRefresh configfile.Duration `json:"localUnlockRefresh,omitempty"`
+	// CertificateRenewBefore is how long before the first of its kubeadm certificates ends a control-plane
+	// node renews them (package certrenew); certrenew.DefaultRenewBefore if zero.
+	CertificateRenewBefore configfile.Duration `json:"certificateRenewBefore,omitempty"`
 	// MetricsListen, if set, is where the join service and the init server serve their Prometheus metrics,
 	// /healthz and /readyz, in plain HTTP (docs/metrics.md). Off unless set: the port answers anyone who
 	// reaches it, so an operator opens it on the address a load balancer and a Prometheus can reach.
@@ -188,6 +192,9 @@ func (c *Config) Defaults() {
 	if c.PolicyConfigMap == "" {
 		c.PolicyConfigMap = "berth-join-policy"
 	}
+	if c.CertificateRenewBefore.Duration == 0 {
+		c.CertificateRenewBefore.Duration = certrenew.DefaultRenewBefore
+	}
 	if c.LocalUnlockRefresh.Duration == 0 {
 		c.LocalUnlockRefresh.Duration = DefaultLocalUnlockRefresh
 	}
@@ -251,7 +258,7 @@ func (c *Config) Validate() error {
 	for _, d := range []struct {
 		name  string
 		value time.Duration
-	}{{"retryMax", c.RetryMax.Duration}, {"localUnlockRefresh", c.LocalUnlockRefresh.Duration}} {
+	}{{"retryMax", c.RetryMax.Duration}, {"localUnlockRefresh", c.LocalUnlockRefresh.Duration}, {"certificateRenewBefore", c.CertificateRenewBefore.Duration}} {
 		if d.value < 0 {
 			errs = append(errs, fmt.Errorf("%s: %v is negative: want a duration such as 30s, or leave it out for the default", d.name, d.value))
 		}

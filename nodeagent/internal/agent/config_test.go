@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/nodeagent/internal/certrenew"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 )
@@ -32,17 +33,18 @@ func TestLoadConfigDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{
-		MetadataURL:        "http://169.254.169.254/berth",
-		StateDisk:          "/dev/vdb",
-		TPM:                "/dev/tpmrm0",
-		MapperName:         "berth-state",
-		Paths:              nodestate.DefaultPaths,
-		InitListen:         ":7451",
-		Kubeadm:            "kubeadm",
-		EKCABundle:         "/etc/berth/ek-ca.pem",
-		PolicyConfigMap:    "berth-join-policy",
-		LocalUnlockRefresh: configfile.Duration{Duration: DefaultLocalUnlockRefresh},
-		VerifiedRoot:       "/dev/mapper/berth-root",
+		MetadataURL:            "http://169.254.169.254/berth",
+		StateDisk:              "/dev/vdb",
+		TPM:                    "/dev/tpmrm0",
+		MapperName:             "berth-state",
+		Paths:                  nodestate.DefaultPaths,
+		InitListen:             ":7451",
+		Kubeadm:                "kubeadm",
+		EKCABundle:             "/etc/berth/ek-ca.pem",
+		PolicyConfigMap:        "berth-join-policy",
+		LocalUnlockRefresh:     configfile.Duration{Duration: DefaultLocalUnlockRefresh},
+		VerifiedRoot:           "/dev/mapper/berth-root",
+		CertificateRenewBefore: configfile.Duration{Duration: certrenew.DefaultRenewBefore},
 	}
 	got, _ := json.Marshal(c)
 	wantJSON, _ := json.Marshal(want)
@@ -265,8 +267,8 @@ func TestLoadConfigRefusals(t *testing.T) {
 			want: []string{`line 3: initListen: ":0" has port 0`}},
 		{name: "join listen host not a host", content: minimalConfig + "joinListenHost: \"not a host!\"\n",
 			want: []string{`line 3: joinListenHost: "not a host!" is not an IP address or a host name`}},
-		{name: "negative durations", content: minimalConfig + "localUnlockRefresh: -5m\nretryMax: -1s\n",
-			want: []string{"line 3: localUnlockRefresh: -5m0s is negative", "line 4: retryMax: -1s is negative"}},
+		{name: "negative durations", content: minimalConfig + "localUnlockRefresh: -5m\nretryMax: -1s\ncertificateRenewBefore: -720h\n",
+			want: []string{"line 3: localUnlockRefresh: -5m0s is negative", "line 4: retryMax: -1s is negative", "line 5: certificateRenewBefore: -720h0m0s is negative"}},
 		{name: "TPMs of no form", content: minimalConfig + "tpm: tpmrm0\n", want: []string{`line 3: tpm: "tpmrm0" is not a device path`}},
 		{name: "software TPM on a relative socket", content: minimalConfig + "tpm: unix:tpm.sock\n",
 			want: []string{`line 3: tpm: "unix:tpm.sock" is not unix:<absolute path of a socket>`}},

@@ -70,12 +70,14 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 	}
 	kubeconfig, server := a.cfg.Kubeconfig, ""
 	if kubeconfig == "" {
-		kubeconfig = filepath.Join(a.cfg.Paths.KubernetesDir, "admin.conf")
 		// kubeadm's admin.conf names the cluster's endpoint, which may be another control-plane node. The
 		// join service asks this node's own API server instead, so that it serves whenever this node's
 		// control plane does: after a power cut, the first control-plane node up gives the others their
 		// rejoin tickets.
-		if server, err = localAPIServer(kubeconfig, self.Instance.Addresses); err != nil {
+		if server, err = localAPIServer(a.adminConf(), self.Instance.Addresses); err != nil {
+			return fmt.Errorf("join service: %w", err)
+		}
+		if kubeconfig, err = a.writeAdminCopy(); err != nil {
 			return fmt.Errorf("join service: %w", err)
 		}
 	}

@@ -25,6 +25,8 @@ import (
 const (
 	minMasterSecret = 32
 	minSalt         = 16
+	// maxCertificateValiditySeconds is ten years, as long as kubeadm's own CAs last.
+	maxCertificateValiditySeconds = 10 * 365 * 24 * 60 * 60
 )
 
 // plan is a checked init request with everything derived from it: nothing in it can fail to apply for a
@@ -89,10 +91,22 @@ func validateRequest(req *berthv1.InitRequest, inst metadata.Instance, now time.
 	if err := podnetwork.Check(req.PodNetwork); err != nil {
 		return nil, err
 	}
+	// kubeadm checks the lower bound; this one keeps the seconds within a time.Duration.
+	if v := req.CertificateValiditySeconds; v < 0 || v > maxCertificateValiditySeconds {
+		return nil, fmt.Errorf("certificate validity of %d seconds: want 0 (kubeadm's year) up to %d (ten years)", v, maxCertificateValiditySeconds)
+	}
 	if len(inst.Addresses) == 0 {
 		return nil, fmt.Errorf("instance %q has no address to advertise", inst.Name)
 	}
 	return &checkedRequest{req: req, kubeCA: kubeCA, joinCA: joinCA}, nil
+}
+
+// certificateValidity is v as the cluster record keeps it: "" for kubeadm's default.
+func certificateValidity(v time.Duration) string {
+	if v == 0 {
+		return ""
+	}
+	return v.String()
 }
 
 // planInit derives everything the init of node inst, whose state disk is disk, needs from a checked request.
@@ -106,6 +120,7 @@ func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base k
 	params.NodeName, params.AdvertiseAddress = inst.Name, advertise
 	params.ControlPlaneEndpoint, params.KubernetesVersion, params.ClusterName = req.ControlPlaneEndpoint, req.KubernetesVersion, req.ClusterName
 	params.PodSubnet, params.ServiceSubnet = req.PodSubnet, req.ServiceSubnet
+	params.CertificateValidity = time.Duration(req.CertificateValiditySeconds) * time.Second
 	config, err := kubeadm.InitConfig(params)
 	if err != nil {
 		return nil, fmt.Errorf("kubeadm configuration: %w", err)
@@ -141,6 +156,7 @@ func planInit(c *checkedRequest, inst metadata.Instance, disk keys.Label, base k
 			PodNetwork:           podNetwork,
 			APIServerEndpoint:    endpoint,
 			JoinCACertificate:    string(joinCA.CertPEM()),
+			CertificateValidity:  certificateValidity(params.CertificateValidity),
 		}},
 		diskKey:       diskKey,
 		kubeCA:        kubeCA,

@@ -377,6 +377,20 @@ func TestInit(t *testing.T) {
 		}
 	})
 
+	t.Run("the certificate validity", func(t *testing.T) {
+		n := f.newNode(t)
+		for _, seconds := range []int64{-1, 60, 11 * 365 * 24 * 60 * 60} {
+			bad := f.request(t)
+			bad.CertificateValiditySeconds = seconds
+			var lines []string
+			_, err := initclient.Init(ctx, n.client(f, bad, &lines))
+			if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "certificate validity") {
+				t.Errorf("%d seconds: %v, want InvalidArgument naming the certificate validity", seconds, err)
+			}
+		}
+		n.checkUntouched(t)
+	})
+
 	t.Run("the pod network", func(t *testing.T) {
 		n := f.newNode(t)
 		bad := f.request(t)

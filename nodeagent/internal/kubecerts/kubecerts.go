@@ -1,6 +1,6 @@
 // Package kubecerts knows the certificates kubeadm and the kubelet keep on a node: where they are, and how to
-// read one from a PEM file or from a kubeconfig that carries it, so that the node's metrics show their
-// expiry.
+// read one from a PEM file or from a kubeconfig that carries it. The node's metrics show their expiry, and a
+// control-plane node renews kubeadm's before they expire (package certrenew).
 package kubecerts
 
 import (

@@ -55,7 +55,8 @@ var bootBuckets = []float64{.01, .1, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 3600
 // slow vTPM for a policy of many images (one TPM session each), bounded by the TPM's own timeouts.
 var sealBuckets = []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
 
-// Outcomes of sealing the disk key, as berth_seals_total labels them.
+// Outcomes of sealing the disk key and of renewing certificates, as berth_seals_total and
+// berth_certificate_renewals_total label them.
 const (
 	ResultOK    = "ok"
 	ResultError = "error"
@@ -118,6 +119,7 @@ type Metrics struct {
 	sealDuration    prometheus.Histogram
 	sealLastOK      prometheus.Gauge
 	certificates    *certificateCollector
+	renewals        *prometheus.CounterVec
 }
 
 // New makes the metrics with every series of the fixed lists at zero, so that a rate over a fresh process
@@ -201,6 +203,9 @@ func New(labels Labels) *Metrics {
 		desc: prometheus.NewDesc("berth_certificate_expiry_timestamp_seconds", "When the node's certificate expires (its NotAfter), in Unix seconds, by certificate; read from disk at each scrape.", []string{"certificate"}, nil),
 		log:  slog.New(slog.DiscardHandler),
 	}
+	m.renewals = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "berth_certificate_renewals_total", Help: "Renewals of this control-plane node's kubeadm certificates, by result (ok, error).",
+	}, []string{"result"})
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "berth_build_info", Help: "1, labelled with the agent's version, the Kubernetes version it was built with and Go's.",
 		ConstLabels: prometheus.Labels{"version": labels.Build.Version, "kubernetes_version": labels.Build.KubernetesVersion, "go_version": runtime.Version()},
@@ -209,7 +214,7 @@ func New(labels Labels) *Metrics {
 	m.reg.MustRegister(m.issued, m.refused, m.errored, m.joinDuration, m.initTotal, m.initDuration, m.apiRequests,
 		m.policyLoaded, m.policyImages, m.policyLoads, m.policyLoadAt, m.policyInfo, m.connections, m.apiReachGauge,
 		m.bootStep, m.bootStepDuration, m.bootFinished, buildInfo,
-		m.unlockDuration, m.unlockFallbacks, m.seals, m.sealDuration, m.sealLastOK, m.certificates,
+		m.unlockDuration, m.unlockFallbacks, m.seals, m.sealDuration, m.sealLastOK, m.certificates, m.renewals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	for _, call := range withOther(labels.JoinCalls) {
@@ -240,6 +245,7 @@ func New(labels Labels) *Metrics {
 	}
 	for _, r := range []string{ResultOK, ResultError} {
 		m.seals.WithLabelValues(r)
+		m.renewals.WithLabelValues(r)
 	}
 	for _, api := range withOther([]string{APIKubernetes, APIEC2, APICompute}) {
 		for _, o := range []apicalls.Outcome{apicalls.OK, apicalls.Throttled, apicalls.Error} {
@@ -340,6 +346,19 @@ func (m *Metrics) Sealed(err error, took time.Duration, at time.Time) {
 	}
 	m.seals.WithLabelValues(ResultOK).Inc()
 	m.sealLastOK.Set(float64(at.UnixNano()) / 1e9)
+}
+
+// CertificatesRenewed counts a renewal of the node's kubeadm certificates that ended with err (nil when it
+// succeeded).
+func (m *Metrics) CertificatesRenewed(err error) {
+	if m == nil {
+		return
+	}
+	result := ResultOK
+	if err != nil {
+		result = ResultError
+	}
+	m.renewals.WithLabelValues(result).Inc()
 }
 
 // WatchCertificates makes files the certificates whose expiry the metrics show, read at each scrape; an

@@ -201,8 +201,8 @@ func TestBootAndBuild(t *testing.T) {
 	none.BootFinished(time.Now())
 }
 
-// TestUnlockAndSeal: how each boot opened its disk, why the TPM did not, and each seal's outcome are counted
-// under their fixed labels; a seal's success sets its time, a failure leaves it; nil metrics take the calls.
+// TestUnlockAndSeal: how each boot opened its disk, why the TPM did not, each seal's and each certificate
+// renewal's outcome are counted under their fixed labels; a seal's success sets its time, a failure leaves it; nil metrics take the calls.
 func TestUnlockAndSeal(t *testing.T) {
 	m := New(testLabels)
 	m.StateDiskUnlocked("tpm", 2*time.Second)
@@ -210,12 +210,14 @@ func TestUnlockAndSeal(t *testing.T) {
 	m.LocalUnlockFellBack("refused")
 	m.Sealed(nil, time.Second, time.Unix(200, 0))
 	m.Sealed(errors.New("TPM busy"), time.Second, time.Unix(400, 0))
+	m.CertificatesRenewed(errors.New("kubeadm failed"))
 	got := series(t, m)
 	for s, v := range map[string]float64{
 		"berth_state_disk_unlock_duration_seconds{via=tpm}": 1, "berth_state_disk_unlock_duration_seconds{via=rejoin_ticket}": 0,
 		"berth_state_disk_unlock_duration_seconds{via=other}": 1, "berth_local_unlock_fallbacks_total{reason=refused}": 1,
 		"berth_local_unlock_fallbacks_total{reason=other}": 0, "berth_seals_total{result=ok}": 1, "berth_seals_total{result=error}": 1,
 		"berth_seal_duration_seconds{}": 2, "berth_seal_last_success_timestamp_seconds{}": 200,
+		"berth_certificate_renewals_total{result=error}": 1, "berth_certificate_renewals_total{result=ok}": 0,
 	} {
 		if got[s] != v {
 			t.Errorf("%s = %v, want %v", s, got[s], v)
@@ -225,6 +227,7 @@ func TestUnlockAndSeal(t *testing.T) {
 	none.StateDiskUnlocked("tpm", time.Second)
 	none.LocalUnlockFellBack("refused")
 	none.Sealed(nil, time.Second, time.Now())
+	none.CertificatesRenewed(nil)
 }
 
 // TestCertificateExpiry: each certificate's expiry is read again at each scrape, so a renewal on disk shows
