@@ -104,6 +104,9 @@ type HostConfig struct {
 	// certificate_validity), and CertificateRenewBefore how long before their end the nodes renew them
 	// (agent.yaml's certificateRenewBefore): a lab whose certificates end while it runs.
 	CertificateValidity, CertificateRenewBefore time.Duration
+	// GoneNodeGrace, if set, is how long the join services leave the Node of an instance removed from the
+	// lab (agent.yaml's goneNodeGrace).
+	GoneNodeGrace time.Duration
 }
 
 // Config is a whole lab for Up: its host, its nodes, and the init of the first.

@@ -42,6 +42,7 @@ func TestLab(t *testing.T) {
 	cfg := labTest(t, func(c Config) (err error) {
 		c.Nodes = []NodeSpec{{"cp-0", metadata.RoleControlPlane}, {"cp-1", metadata.RoleControlPlane},
 			{"worker-0", metadata.RoleWorker}}
+		c.GoneNodeGrace = goneNodeGrace
 		if l, err = Up(ctx, c); err != nil {
 			return err
 		}
@@ -146,6 +147,7 @@ func TestLab(t *testing.T) {
 			t.Errorf("berth-lab wait does not list %s:\n%s", n.Name, out)
 		}
 	}
+	checkGoneNodes(ctx, t, l, l.Node("worker-0"), "worker-1")
 	for name, d := range l.Timings {
 		t.Logf("%s: %.1fs", name, d.Seconds())
 	}
@@ -153,6 +155,50 @@ func TestLab(t *testing.T) {
 		if peak, rss, err := n.Memory(); err == nil {
 			t.Logf("memory %s: %d MiB resident, %d MiB peak with page cache", n.Name, rss>>20, peak>>20)
 		}
+	}
+}
+
+// goneNodeGrace is how long TestLab's join services leave the Node of an instance removed from the lab.
+const goneNodeGrace = 20 * time.Second
+
+// checkGoneNodes powers off (keeps in the inventory) and removes (deletes from the inventory) a worker each:
+// the removed one's Node disappears once it is NotReady and its grace has passed; the powered-off one's
+// stays, past the time the other took and a grace more.
+func checkGoneNodes(ctx context.Context, t *testing.T, l *Lab, off *Node, removed string) {
+	t.Helper()
+	start := time.Now()
+	off.PowerOff()
+	if err := l.RemoveNode(ctx, removed); err != nil {
+		t.Fatal(err)
+	}
+	exists := func(name string) bool {
+		t.Helper()
+		out, err := l.Kubectl(ctx, "get", "node", name, "--ignore-not-found", "-o", "name")
+		if err != nil {
+			t.Fatalf("kubectl get node %s: %v", name, err)
+		}
+		return strings.TrimSpace(out) != ""
+	}
+	// The node controller marks a silent node NotReady after its grace period (50 s), and a join service
+	// sweeps a few times within goneNodeGrace.
+	for deadline := time.Now().Add(4 * time.Minute); exists(removed); time.Sleep(2 * time.Second) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the Node of %s, removed from the lab %v ago, is still there", removed, time.Since(start).Round(time.Second))
+		}
+	}
+	took := time.Since(start)
+	t.Logf("the Node of %s, removed from the lab, was deleted after %v", removed, took.Round(time.Second))
+	time.Sleep(goneNodeGrace + 10*time.Second)
+	if !exists(off.Name) {
+		t.Errorf("the Node of %s, only powered off, was deleted", off.Name)
+	}
+	logged := false
+	for _, n := range l.Nodes {
+		log, err := os.ReadFile(n.path("logs/agent.log"))
+		logged = logged || err == nil && strings.Contains(string(log), "removed the Nodes of instances deleted from the inventory")
+	}
+	if !logged {
+		t.Error("no join service logged the removal")
 	}
 }
 

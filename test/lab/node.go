@@ -631,6 +631,9 @@ state = "/run/containerd"
 	if d := n.lab.cfg.CertificateRenewBefore; d != 0 {
 		cfg["certificateRenewBefore"] = d.String()
 	}
+	if d := n.lab.cfg.GoneNodeGrace; d != 0 {
+		cfg["goneNodeGrace"] = d.String()
+	}
 	// A bare-metal node has no metadata service: its agent reads the user-data cloud-init wrote. An EC2
 	// instance reads IMDS, and its join service asks EC2.
 	switch {

@@ -4,6 +4,7 @@
 package agent
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -120,6 +121,11 @@ type Config struct {
 	// CertificateRenewBefore is how long before the first of its kubeadm certificates ends a control-plane
 	// node renews them (package certrenew); certrenew.DefaultRenewBefore if zero.
 	CertificateRenewBefore configfile.Duration `json:"certificateRenewBefore,omitempty"`
+	// GoneNodeGrace is how long a control-plane node's join service leaves the NotReady Node of an instance
+	// deleted from the lab's metadata service (or an operator's inventory it serves) before it removes it;
+	// DefaultGoneNodeGrace if zero. Refused on AWS and GCP: their APIs do not list a stopped instance either,
+	// so a terminated machine cannot be told from a stopped one there.
+	GoneNodeGrace configfile.Duration `json:"goneNodeGrace,omitempty"`
 	// MetricsListen, if set, is where the join service and the init server serve their Prometheus metrics,
 	// /healthz and /readyz, in plain HTTP (docs/metrics.md). Off unless set: the port answers anyone who
 	// reaches it, so an operator opens it on the address a load balancer and a Prometheus can reach.
@@ -130,6 +136,19 @@ type Config struct {
 // (the cluster's CA keys on control-plane nodes), the kubelet's (its credentials) and etcd's data.
 func (c *Config) DefaultStateDirs() []string {
 	return []string{c.Paths.KubernetesDir, c.Paths.KubeletDir, "/var/lib/etcd"}
+}
+
+// DefaultGoneNodeGrace is how long the Node of a deleted instance stays: long enough for an operator who
+// deleted the wrong record to put it back.
+const DefaultGoneNodeGrace = 30 * time.Minute
+
+// goneNodeGrace is how long the join service leaves the Nodes of deleted instances, 0 where it cannot tell a
+// deleted instance from a stopped one.
+func (c *Config) goneNodeGrace() time.Duration {
+	if c.AWS != nil || c.GCP != nil {
+		return 0
+	}
+	return cmp.Or(c.GoneNodeGrace.Duration, DefaultGoneNodeGrace)
 }
 
 // DefaultLocalUnlockRefresh is how often a sealing worker asks for the current policy.
@@ -258,10 +277,14 @@ func (c *Config) Validate() error {
 	for _, d := range []struct {
 		name  string
 		value time.Duration
-	}{{"retryMax", c.RetryMax.Duration}, {"localUnlockRefresh", c.LocalUnlockRefresh.Duration}, {"certificateRenewBefore", c.CertificateRenewBefore.Duration}} {
+	}{{"retryMax", c.RetryMax.Duration}, {"localUnlockRefresh", c.LocalUnlockRefresh.Duration},
+		{"certificateRenewBefore", c.CertificateRenewBefore.Duration}, {"goneNodeGrace", c.GoneNodeGrace.Duration}} {
 		if d.value < 0 {
 			errs = append(errs, fmt.Errorf("%s: %v is negative: want a duration such as 30s, or leave it out for the default", d.name, d.value))
 		}
+	}
+	if c.GoneNodeGrace.Duration != 0 && (c.AWS != nil || c.GCP != nil) {
+		errs = append(errs, errors.New("goneNodeGrace: on AWS and GCP a stopped instance is not listed either, so the join service cannot tell it from a terminated one; leave it out"))
 	}
 	if c.StateMount != "" && !filepath.IsAbs(c.StateMount) {
 		errs = append(errs, fmt.Errorf("stateMount: %q is not an absolute path", c.StateMount))

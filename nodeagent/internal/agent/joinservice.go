@@ -99,7 +99,7 @@ func (a *Agent) ServeJoinService(ctx context.Context) error {
 		Names:  []string{self.Instance.Name}, IPs: ips,
 		Kube: kube, PolicyFile: a.cfg.PolicyFile, PolicyConfigMap: a.cfg.PolicyConfigMap,
 		InitialPolicy: a.publishInitialPolicy, FollowPolicy: a.followPolicy(), Log: log,
-		Metrics: tel.metrics, Health: tel.server, BootstrapTokens: true,
+		Metrics: tel.metrics, Health: tel.server, BootstrapTokens: true, GoneNodeGrace: a.cfg.goneNodeGrace(),
 	}, joinservice.Config{
 		Verifier:          records.Verifier,
 		Instances:         records.Instances,

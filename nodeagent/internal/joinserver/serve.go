@@ -56,6 +56,10 @@ type Options struct {
 	Health  *telemetry.Server
 	// BootstrapTokens: the service's tickets carry kubeadm bootstrap tokens (the kubeadm join method).
 	BootstrapTokens bool
+	// GoneNodeGrace, if set, is how long a NotReady Node whose instance the lookup no longer finds stays
+	// before the service removes it (joinservice.GoneNodes): for inventories that list an instance until it
+	// is deleted, not merely stopped.
+	GoneNodeGrace time.Duration
 }
 
 // Serve runs a join service with cfg (its policy from s) until ctx ends. It owns every goroutine it starts:
@@ -105,6 +109,10 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	disks := &joinservice.KubeDisks{Client: s.Kube, Records: records}
 	cfg.Disks = disks
 	running.Go(func() { collectDiskRecords(ctx, disks, cfg.Instances, s.Log) })
+	if s.GoneNodeGrace > 0 {
+		gone := &joinservice.GoneNodes{Client: s.Kube, Lookup: cfg.Instances}
+		running.Go(func() { removeGoneNodes(ctx, gone, s.GoneNodeGrace, s.Log) })
+	}
 	svc, err := joinservice.New(cfg)
 	if err != nil {
 		return err
@@ -150,6 +158,27 @@ func apiVersion(kube kubernetes.Interface) func(context.Context) error {
 			return fmt.Errorf("API server /version: %w", err)
 		}
 		return nil
+	}
+}
+
+// removeGoneNodes removes, until ctx ends, the Nodes whose instances have been gone for grace, looking a few
+// times within each grace. Every join service sweeps; removing a Node twice is harmless.
+func removeGoneNodes(ctx context.Context, gone *joinservice.GoneNodes, grace time.Duration, log *slog.Logger) {
+	t := time.NewTicker(min(max(grace/4, 5*time.Second), diskRecordSweep))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		removed, err := gone.Collect(ctx, grace, time.Now())
+		if len(removed) > 0 {
+			log.Info("removed the Nodes of instances deleted from the inventory", "nodes", removed, "grace", grace.String())
+		}
+		if err != nil && ctx.Err() == nil {
+			log.Warn("removing the Nodes of deleted instances", "error", err)
+		}
 	}
 }
 
