@@ -24,9 +24,8 @@ import (
 )
 
 const (
-	// DefaultRenewBefore is how long before the first certificate's end the node renews: kubeadm's own
-	// `kubeadm upgrade` renews at any time, and 30 days leave a month of alerts
-	// (berth_certificate_expiry_timestamp_seconds) if the renewal keeps failing.
+	// DefaultRenewBefore is how long before the first certificate's end the node renews: 30 days leave a
+	// month of alerts (berth_certificate_expiry_timestamp_seconds) and retries if the renewal keeps failing.
 	DefaultRenewBefore = 30 * 24 * time.Hour
 	// checkEvery bounds the wait between two reads of the certificates: a certificate renewed by someone
 	// else (an operator, kubeadm upgrade) moves the due time, and a clock that jumped is caught up with.
@@ -97,7 +96,7 @@ func New(cfg Config) *Renewer {
 }
 
 // Due is when the node's certificates are next to be renewed: RenewBefore before the end of the first of
-// kubeadm's certificates, and which one that is. A node without any (a worker) has nothing due.
+// kubeadm's certificates, and which one that is. A node without any (a worker) gets an error.
 func (r *Renewer) Due() (at time.Time, first string, err error) {
 	for _, f := range r.cfg.Files {
 		if !f.Kubeadm {
