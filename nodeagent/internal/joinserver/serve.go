@@ -161,34 +161,32 @@ func apiVersion(kube kubernetes.Interface) func(context.Context) error {
 	}
 }
 
+// diskRecordSweep is how often a join service looks for the disk records of instances that are gone.
+const diskRecordSweep = 10 * time.Minute
+
 // removeGoneNodes removes, until ctx ends, the Nodes whose instances have been gone for grace, looking a few
 // times within each grace. Every join service sweeps; removing a Node twice is harmless.
 func removeGoneNodes(ctx context.Context, gone *joinservice.GoneNodes, grace time.Duration, log *slog.Logger) {
-	t := time.NewTicker(min(max(grace/4, 5*time.Second), diskRecordSweep))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		removed, err := gone.Collect(ctx, grace, time.Now())
-		if len(removed) > 0 {
-			log.Info("removed the Nodes of instances deleted from the inventory", "nodes", removed, "grace", grace.String())
-		}
-		if err != nil && ctx.Err() == nil {
-			log.Warn("removing the Nodes of deleted instances", "error", err)
-		}
-	}
+	sweep(ctx, min(max(grace/4, 5*time.Second), diskRecordSweep),
+		func(now time.Time) ([]string, error) { return gone.Collect(ctx, grace, now) },
+		log.With("grace", grace.String()), "removed the Nodes of instances deleted from the inventory", "nodes", "removing the Nodes of deleted instances")
 }
-
-// diskRecordSweep is how often a join service looks for the disk records of instances that are gone.
-const diskRecordSweep = 10 * time.Minute
 
 // collectDiskRecords removes, every diskRecordSweep until ctx ends, the disk records of instances that have
 // been gone for joinservice.DefaultRetention. Every join service sweeps; removing a record twice is harmless.
 func collectDiskRecords(ctx context.Context, disks *joinservice.KubeDisks, lookup joinservice.InstanceLookup, log *slog.Logger) {
-	t := time.NewTicker(diskRecordSweep)
+	sweep(ctx, diskRecordSweep,
+		func(now time.Time) ([]string, error) {
+			return disks.Collect(ctx, lookup, joinservice.DefaultRetention, now)
+		},
+		log.With("retention", joinservice.DefaultRetention.String()), "removed the disk records of instances gone for longer than the retention",
+		"disks", "collecting disk records")
+}
+
+// sweep calls collect every interval until ctx ends, logging what it removed (removedMsg, the names under
+// key) and why it failed (failedMsg).
+func sweep(ctx context.Context, every time.Duration, collect func(now time.Time) ([]string, error), log *slog.Logger, removedMsg, key, failedMsg string) {
+	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
 		select {
@@ -196,13 +194,12 @@ func collectDiskRecords(ctx context.Context, disks *joinservice.KubeDisks, looku
 			return
 		case <-t.C:
 		}
-		removed, err := disks.Collect(ctx, lookup, joinservice.DefaultRetention, time.Now())
+		removed, err := collect(time.Now())
 		if len(removed) > 0 {
-			log.Info("removed the disk records of instances gone for longer than the retention",
-				"disks", removed, "retention", joinservice.DefaultRetention.String())
+			log.Info(removedMsg, key, removed)
 		}
 		if err != nil && ctx.Err() == nil {
-			log.Warn("collecting disk records", "error", err)
+			log.Warn(failedMsg, "error", err)
 		}
 	}
 }
