@@ -52,16 +52,49 @@ const (
 // makes only has to outlive init itself.
 const initTokenTTL = time.Minute
 
-// kubeletNodeIPArg is derived from the typed address fields; accepting it in
+// These kubelet flags are derived from typed fields (the node address, Cloud); accepting them in
 // KubeletExtraArgs as well would let two sources disagree.
-const kubeletNodeIPArg = "node-ip"
+const (
+	kubeletNodeIPArg        = "node-ip"
+	kubeletCloudProviderArg = "cloud-provider"
+	kubeletProviderIDArg    = "provider-id"
+)
+
+// Cloud is what a node's kubelet is told about the cloud it runs in.
+type Cloud struct {
+	// External makes the kubelet leave the node to a cloud controller manager (--cloud-provider=external):
+	// the node starts tainted node.cloudprovider.kubernetes.io/uninitialized, and no pod without a
+	// toleration is scheduled on it until the controller manager has filled in its addresses and zone.
+	External bool
+	// ProviderID is the node's spec.providerID (--provider-id), by which the cloud controller manager
+	// finds its instance; empty leaves it for the controller manager to find.
+	ProviderID string
+}
+
+// args are c's kubelet flags.
+func (c Cloud) args() ([]v1beta4.Arg, error) {
+	var args []v1beta4.Arg
+	if c.External {
+		args = append(args, v1beta4.Arg{Name: kubeletCloudProviderArg, Value: "external"})
+	}
+	if c.ProviderID != "" {
+		if !providerIDPattern.MatchString(c.ProviderID) {
+			return nil, fmt.Errorf("provider ID %q is not <provider>://<path> of printable characters without spaces, quotes or backslashes", c.ProviderID)
+		}
+		args = append(args, v1beta4.Arg{Name: kubeletProviderIDArg, Value: c.ProviderID})
+	}
+	return args, nil
+}
 
 var (
-	tokenPattern     = regexp.MustCompile(`\A[a-z0-9]{6}\.[a-z0-9]{16}\z`)
-	caHashPattern    = regexp.MustCompile(`\Asha256:[0-9a-f]{64}\z`)
-	argNamePattern   = regexp.MustCompile(`\A[a-z0-9][a-z0-9-]*\z`)
-	phasePattern     = regexp.MustCompile(`\A[a-z0-9][a-z0-9-]*(/[a-z0-9][a-z0-9-]*)*\z`)
-	imageRepoPattern = regexp.MustCompile(`\A[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\z`)
+	tokenPattern   = regexp.MustCompile(`\A[a-z0-9]{6}\.[a-z0-9]{16}\z`)
+	caHashPattern  = regexp.MustCompile(`\Asha256:[0-9a-f]{64}\z`)
+	argNamePattern = regexp.MustCompile(`\A[a-z0-9][a-z0-9-]*\z`)
+	phasePattern   = regexp.MustCompile(`\A[a-z0-9][a-z0-9-]*(/[a-z0-9][a-z0-9-]*)*\z`)
+	// providerIDPattern is a provider ID as the cloud controller managers write them, with nothing that
+	// would split, quote or escape a flag (no space, quote or backslash).
+	providerIDPattern = regexp.MustCompile(`\A[a-z][a-z0-9]*://[!#-&(-\[\]-~]{1,512}\z`)
+	imageRepoPattern  = regexp.MustCompile(`\A[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\z`)
 )
 
 // InitParams describes the first control-plane node of a cluster.
@@ -85,6 +118,7 @@ type InitParams struct {
 	CRISocket        string
 	SkipPhases       []string
 	KubeletExtraArgs map[string]string
+	Cloud            Cloud
 	// Kubelet is the cluster-wide kubelet configuration kubeadm uploads for every node; zero leaves
 	// kubeadm's defaults.
 	Kubelet KubeletSettings
@@ -147,6 +181,7 @@ type JoinParams struct {
 	CRISocket        string
 	SkipPhases       []string
 	KubeletExtraArgs map[string]string
+	Cloud            Cloud
 }
 
 // InitConfig renders the InitConfiguration and ClusterConfiguration
@@ -195,7 +230,7 @@ func InitConfig(p InitParams) ([]byte, error) {
 	if p.ImageRepository != "" && !imageRepoPattern.MatchString(p.ImageRepository) {
 		return nil, fmt.Errorf("image repository %q is not of the form registry[:port][/path]", p.ImageRepository)
 	}
-	nodeReg, err := nodeRegistration(p.NodeName, p.CRISocket, addr, p.KubeletExtraArgs)
+	nodeReg, err := nodeRegistration(p.NodeName, p.CRISocket, addr, p.Cloud, p.KubeletExtraArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -320,7 +355,7 @@ func JoinConfig(p JoinParams) ([]byte, error) {
 			return nil, fmt.Errorf("CA certificate hash %d (%q) is not \"sha256:\" followed by 64 lowercase hex digits", i, h)
 		}
 	}
-	nodeReg, err := nodeRegistration(p.NodeName, p.CRISocket, nodeIP, p.KubeletExtraArgs)
+	nodeReg, err := nodeRegistration(p.NodeName, p.CRISocket, nodeIP, p.Cloud, p.KubeletExtraArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -382,13 +417,13 @@ func marshalDocuments(docs ...any) ([]byte, error) {
 	return out.Bytes(), nil
 }
 
-func nodeRegistration(name, criSocket string, nodeIP netip.Addr, extra map[string]string) (v1beta4.NodeRegistrationOptions, error) {
+func nodeRegistration(name, criSocket string, nodeIP netip.Addr, cloud Cloud, extra map[string]string) (v1beta4.NodeRegistrationOptions, error) {
 	socket := cmp.Or(criSocket, DefaultCRISocket)
 	path, ok := strings.CutPrefix(socket, "unix://")
 	if !ok || !filepath.IsAbs(path) {
 		return v1beta4.NodeRegistrationOptions{}, fmt.Errorf("CRI socket %q is not a unix:///absolute/path URL", socket)
 	}
-	args, err := kubeletArgs(nodeIP, extra)
+	args, err := kubeletArgs(nodeIP, cloud, extra)
 	if err != nil {
 		return v1beta4.NodeRegistrationOptions{}, err
 	}
@@ -401,11 +436,18 @@ func nodeRegistration(name, criSocket string, nodeIP netip.Addr, extra map[strin
 
 // kubeletArgs returns the extra kubelet flags sorted by name, so that equal
 // parameters always render the same bytes.
-func kubeletArgs(nodeIP netip.Addr, extra map[string]string) ([]v1beta4.Arg, error) {
-	args := []v1beta4.Arg{{Name: kubeletNodeIPArg, Value: nodeIP.String()}}
+func kubeletArgs(nodeIP netip.Addr, cloud Cloud, extra map[string]string) ([]v1beta4.Arg, error) {
+	args, err := cloud.args()
+	if err != nil {
+		return nil, err
+	}
+	args = append(args, v1beta4.Arg{Name: kubeletNodeIPArg, Value: nodeIP.String()})
 	for name, value := range extra {
-		if name == kubeletNodeIPArg {
+		switch name {
+		case kubeletNodeIPArg:
 			return nil, fmt.Errorf("kubelet extra arg %q is set from the node address; do not pass it", name)
+		case kubeletCloudProviderArg, kubeletProviderIDArg:
+			return nil, fmt.Errorf("kubelet extra arg %q is set from the node's cloud (agent.yaml's kubelet.cloudProvider); do not pass it", name)
 		}
 		if !argNamePattern.MatchString(name) {
 			return nil, fmt.Errorf("kubelet extra arg name %q is not a flag name without dashes, such as \"node-labels\"", name)

@@ -296,6 +296,11 @@ func TestInitConfigRejects(t *testing.T) {
 		{"CRI socket scheme", func(p *InitParams) { p.CRISocket = "/run/containerd/containerd.sock" }, "CRI socket \"/run/containerd/containerd.sock\" is not a unix:///absolute/path URL"},
 		{"CRI socket relative", func(p *InitParams) { p.CRISocket = "unix://containerd.sock" }, "is not a unix:///absolute/path URL"},
 		{"node-ip in extra args", func(p *InitParams) { p.KubeletExtraArgs["node-ip"] = "10.0.0.11" }, "kubelet extra arg \"node-ip\" is set from the node address"},
+		{"cloud-provider in extra args", func(p *InitParams) { p.KubeletExtraArgs["cloud-provider"] = "external" }, "kubelet extra arg \"cloud-provider\" is set from the node's cloud"},
+		{"provider-id in extra args", func(p *InitParams) { p.KubeletExtraArgs["provider-id"] = "aws:///us-east-1a/i-0" }, "kubelet extra arg \"provider-id\" is set from the node's cloud"},
+		{"provider ID with a space", func(p *InitParams) { p.Cloud.ProviderID = "aws:///us-east-1a/i-0 --anonymous-auth=true" }, "provider ID \"aws:///us-east-1a/i-0 --anonymous-auth=true\" is not <provider>://<path>"},
+		{"provider ID with a quote", func(p *InitParams) { p.Cloud.ProviderID = `gce://p/z/"n` }, "without spaces, quotes or backslashes"},
+		{"provider ID without scheme", func(p *InitParams) { p.Cloud.ProviderID = "i-0123456789abcdef0" }, "is not <provider>://<path>"},
 		{"extra arg with dashes", func(p *InitParams) { p.KubeletExtraArgs["--v"] = "4" }, "kubelet extra arg name \"--v\""},
 		{"extra arg empty name", func(p *InitParams) { p.KubeletExtraArgs[""] = "4" }, "kubelet extra arg name \"\""},
 		{"extra arg value with space", func(p *InitParams) { p.KubeletExtraArgs["node-labels"] = "a=b --anonymous-auth=true" }, "\"node-labels\" has whitespace or control characters"},
@@ -375,6 +380,38 @@ func TestJoinConfigWorker(t *testing.T) {
 	}
 	if internal.Discovery.TLSBootstrapToken != testToken {
 		t.Error("kubeadm does not default the TLS bootstrap token to the discovery token")
+	}
+}
+
+// TestJoinConfigCloud: a node of a cloud with a controller manager tells its kubelet to wait for it and which
+// instance it is; the flags come from Cloud, sorted among the others.
+func TestJoinConfigCloud(t *testing.T) {
+	p := workerParams()
+	p.Cloud = Cloud{External: true, ProviderID: "aws:///eu-west-1b/i-0123456789abcdef0"}
+	b, err := JoinConfig(p)
+	if err != nil {
+		t.Fatalf("JoinConfig: %v", err)
+	}
+	var cfg v1beta4.JoinConfiguration
+	decodeStrict(t, documents(t, b)["JoinConfiguration"], &cfg)
+	assertEqual(t, "kubelet extra args", cfg.NodeRegistration.KubeletExtraArgs, []v1beta4.Arg{
+		{Name: "cgroup-driver", Value: "cgroupfs"},
+		{Name: "cloud-provider", Value: "external"},
+		{Name: "node-ip", Value: "10.0.1.21"},
+		{Name: "node-labels", Value: "berth.dev/pool=a"},
+		{Name: "provider-id", Value: "aws:///eu-west-1b/i-0123456789abcdef0"},
+	})
+
+	// A provider ID alone (a controller manager that is not the kubelet's cloud provider) sets only that.
+	p.Cloud = Cloud{ProviderID: "gce://berth-prod/europe-west1-b/berth-workers-7x2k"}
+	if b, err = JoinConfig(p); err != nil {
+		t.Fatalf("JoinConfig: %v", err)
+	}
+	decodeStrict(t, documents(t, b)["JoinConfiguration"], &cfg)
+	for _, a := range cfg.NodeRegistration.KubeletExtraArgs {
+		if a.Name == "cloud-provider" {
+			t.Errorf("kubelet gets --cloud-provider=%s without Cloud.External", a.Value)
+		}
 	}
 }
 

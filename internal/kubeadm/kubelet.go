@@ -27,6 +27,7 @@ type KubeletParams struct {
 	// CRISocket defaults to DefaultCRISocket.
 	CRISocket string
 	Kubelet   KubeletSettings
+	Cloud     Cloud
 }
 
 // KubeletFiles renders the kubelet's configuration (config.yaml) and kubeadm-flags.env for p.
@@ -88,8 +89,16 @@ func KubeletFiles(p KubeletParams) (config, flagsEnv []byte, err error) {
 	if config, err = yaml.Marshal(doc); err != nil {
 		return nil, nil, fmt.Errorf("encoding kubelet configuration: %w", err)
 	}
-	// The values are a checked DNS name and an IP address: neither has a space or a quote, so systemd's and
-	// the supervisor's splitting on spaces gives back exactly these flags.
-	flagsEnv = fmt.Appendf(nil, "KUBELET_KUBEADM_ARGS=\"--hostname-override=%s --node-ip=%s\"\n", p.NodeName, ip)
+	cloudArgs, err := p.Cloud.args()
+	if err != nil {
+		return nil, nil, err
+	}
+	// The values are a checked DNS name, an IP address and checked cloud flags: none has a space or a
+	// quote, so systemd's and the supervisor's splitting on spaces gives back exactly these flags.
+	flags := []string{"--hostname-override=" + p.NodeName, "--node-ip=" + ip.String()}
+	for _, a := range cloudArgs {
+		flags = append(flags, "--"+a.Name+"="+a.Value)
+	}
+	flagsEnv = fmt.Appendf(nil, "KUBELET_KUBEADM_ARGS=\"%s\"\n", strings.Join(flags, " "))
 	return config, flagsEnv, nil
 }

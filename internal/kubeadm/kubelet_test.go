@@ -59,6 +59,19 @@ func TestKubeletFiles(t *testing.T) {
 	}
 }
 
+func TestKubeletFilesCloud(t *testing.T) {
+	p := validKubeletParams()
+	p.Cloud = Cloud{External: true, ProviderID: "aws:///us-east-1a/i-0123456789abcdef0"}
+	_, flags, err := KubeletFiles(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "KUBELET_KUBEADM_ARGS=\"--hostname-override=metal-7 --node-ip=10.0.0.7 --cloud-provider=external --provider-id=aws:///us-east-1a/i-0123456789abcdef0\"\n"
+	if string(flags) != want {
+		t.Errorf("kubeadm-flags.env = %q, want %q", flags, want)
+	}
+}
+
 func TestKubeletFilesRefusesBadInput(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -73,6 +86,7 @@ func TestKubeletFilesRefusesBadInput(t *testing.T) {
 		{"bad domain", func(p *KubeletParams) { p.ClusterDomain = "Cluster Local" }, "cluster domain"},
 		{"tcp CRI socket", func(p *KubeletParams) { p.CRISocket = "tcp://10.0.0.1:1" }, "CRI socket"},
 		{"cgroup driver", func(p *KubeletParams) { p.Kubelet.CgroupDriver = "openrc" }, "cgroup driver"},
+		{"flag in the provider ID", func(p *KubeletParams) { p.Cloud.ProviderID = "aws:///z/i-0\" --anonymous-auth=true" }, "provider ID"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -93,6 +93,9 @@ type UserData struct {
 type Self struct {
 	Instance Instance `json:"instance"`
 	UserData UserData `json:"userData"`
+	// ProviderID is the node's spec.providerID, how its cloud's controller manager finds its instance
+	// ("aws:///<zone>/<instance id>", "gce://<project>/<zone>/<name>"); empty where no cloud names it.
+	ProviderID string `json:"providerID,omitempty"`
 }
 
 // Document is the whole state of the metadata service.

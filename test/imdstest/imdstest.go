@@ -31,6 +31,8 @@ type Config struct {
 	// Region is meta-data/placement/region, and VPCID the vpc-id of the instance's primary network
 	// interface (meta-data/network/interfaces/macs/<meta-data/mac>/vpc-id).
 	Region, VPCID string
+	// AvailabilityZone is meta-data/placement/availability-zone.
+	AvailabilityZone string
 	// Credentials, if set, are the instance profile's (meta-data/iam/security-credentials/<role>), which
 	// the AWS SDK's default credential chain takes on an instance; the mock's defaults expired in 2020.
 	Credentials *Credentials
@@ -50,6 +52,7 @@ type Credentials struct {
 const (
 	keyVPCID       = "mac-vpc-id"
 	keyRegion      = "placement-region"
+	keyZone        = "placement-availability-zone"
 	keyCredentials = "iam-security-credentials"
 )
 
@@ -60,6 +63,7 @@ func MockConfig(cfg Config) ([]byte, error) {
 	for key, v := range map[string]string{
 		"instance-id": cfg.InstanceID, "local-hostname": cfg.LocalHostname, "hostname": cfg.LocalHostname,
 		"local-ipv4": cfg.LocalIPv4, "ami-id": cfg.AMIID, keyRegion: cfg.Region, keyVPCID: cfg.VPCID,
+		keyZone: cfg.AvailabilityZone,
 	} {
 		if v != "" {
 			values[key] = v

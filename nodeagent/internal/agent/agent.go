@@ -248,6 +248,7 @@ func (a *Agent) startInitServer(ctx context.Context, prover Prover, lock *nodest
 		Kubeadm: a.deps.Kubeadm, Recorder: clusterRecorder{a: a, log: log, disk: prepared.UUID, ek: prover.EKFingerprint(), inst: &self.Instance}, Paths: a.cfg.Paths, Logger: log.With("component", "init-server"),
 		KubeadmInit: kubeadm.InitParams{
 			ImageRepository: a.cfg.ImageRepository, SkipPhases: a.cfg.SkipPhases, KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs,
+			Cloud:     kubeadm.Cloud{External: a.cfg.Kubelet.externalCloud(), ProviderID: self.ProviderID},
 			Kubelet:   kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
 			KubeProxy: a.cfg.KubeProxy,
 		},
@@ -334,7 +335,7 @@ func (a *Agent) joinClient(prover Prover, lock *nodestate.Lock, log *slog.Logger
 	src, _ := netip.ParseAddr(a.cfg.SourceAddress)
 	return joinclient.New(joinclient.Config{
 		Metadata: a.platform.Node(), Prover: prover, Disk: unlockingDisk{a}, Lock: lock, Kubeadm: a.deps.Kubeadm,
-		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs},
+		KubeadmJoin: kubeadm.JoinParams{KubeletExtraArgs: a.cfg.Kubelet.ExtraArgs, Cloud: kubeadm.Cloud{External: a.cfg.Kubelet.externalCloud()}},
 		Kubelet:     kubeadm.KubeletSettings{CgroupDriver: a.cfg.Kubelet.CgroupDriver, AllowCgroupV1: a.cfg.Kubelet.AllowCgroupV1},
 		Paths:       a.cfg.Paths, PCRs: a.cfg.PCRs, LocalAddr: src,
 		Backoff: backoff.Policy{Max: a.cfg.RetryMax.Duration}, Logger: log.With("component", "join-client"),

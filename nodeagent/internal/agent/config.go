@@ -7,9 +7,11 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -169,11 +171,41 @@ type KubeletConfig struct {
 	Binary string `json:"binary,omitempty"`
 	// ExtraArgs are this node's own kubelet flags, without the leading dashes.
 	ExtraArgs map[string]string `json:"extraArgs,omitempty"`
+	// CloudProvider "external" leaves the node to the cloud's controller manager (--cloud-provider=external),
+	// which the cluster must run: it removes a new node's taint node.cloudprovider.kubernetes.io/uninitialized
+	// and deletes the Nodes of deleted instances. Empty runs without one. The node's provider ID
+	// (--provider-id) comes from the platform wherever it has one.
+	CloudProvider string `json:"cloudProvider,omitempty"`
 	// CgroupDriver and AllowCgroupV1 go to the cluster's kubelet configuration when this node initializes it,
 	// and to this node's own when it joins an external control plane (without kubeadm).
 	CgroupDriver  string `json:"cgroupDriver,omitempty"`
 	AllowCgroupV1 bool   `json:"allowCgroupV1,omitempty"`
 }
+
+// CloudProviderExternal is KubeletConfig.CloudProvider for a cluster that runs its cloud's controller manager.
+const CloudProviderExternal = "external"
+
+// kubeletFlagsOfTheAgent are the kubelet flags the agent sets itself, from the node's address and cloud.
+var kubeletFlagsOfTheAgent = map[string]string{
+	"node-ip": "the node's address", "cloud-provider": "kubelet.cloudProvider", "provider-id": "the platform",
+	"hostname-override": "the node's name",
+}
+
+func (k KubeletConfig) check() []error {
+	var errs []error
+	if k.CloudProvider != "" && k.CloudProvider != CloudProviderExternal {
+		errs = append(errs, fmt.Errorf("kubelet.cloudProvider: %q is not %q (a cloud controller manager runs in the cluster) or empty (none does)", k.CloudProvider, CloudProviderExternal))
+	}
+	for _, name := range slices.Sorted(maps.Keys(k.ExtraArgs)) {
+		if from, ok := kubeletFlagsOfTheAgent[name]; ok {
+			errs = append(errs, fmt.Errorf("kubelet.extraArgs: %s is set by the agent from %s; leave it out", name, from))
+		}
+	}
+	return errs
+}
+
+// externalCloud says whether the kubelet leaves the node to a cloud controller manager.
+func (k KubeletConfig) externalCloud() bool { return k.CloudProvider == CloudProviderExternal }
 
 // LoadConfig reads a configuration file and fills in defaults. Its errors name the file and, one problem a
 // line, every field that is wrong (configfile.Load).
@@ -299,6 +331,7 @@ func (c *Config) Validate() error {
 	if err := c.KubeProxy.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, c.Kubelet.check()...)
 	if c.SourceAddress != "" {
 		if _, err := netip.ParseAddr(c.SourceAddress); err != nil {
 			errs = append(errs, fmt.Errorf("sourceAddress: %q is not an IP address", c.SourceAddress))

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/nodeagent/internal/certrenew"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
@@ -272,6 +273,9 @@ func TestLoadConfigRefusals(t *testing.T) {
 		{name: "negative durations", content: minimalConfig + "localUnlockRefresh: -5m\nretryMax: -1s\ncertificateRenewBefore: -720h\ngoneNodeGrace: -1m\n",
 			want: []string{"line 3: localUnlockRefresh: -5m0s is negative", "line 4: retryMax: -1s is negative", "line 5: certificateRenewBefore: -720h0m0s is negative",
 				"line 6: goneNodeGrace: -1m0s is negative"}},
+		{name: "kubelet flags of the agent's own, a cloud provider of no form", content: minimalConfig + "kubelet:\n  cloudProvider: aws\n  extraArgs:\n    provider-id: aws:///us-east-1a/i-0\n    node-ip: 10.0.0.1\n",
+			want: []string{`line 4: kubelet.cloudProvider: "aws" is not "external"`, "line 5: kubelet.extraArgs: node-ip is set by the agent from the node's address; leave it out",
+				"line 5: kubelet.extraArgs: provider-id is set by the agent from the platform"}},
 		{name: "TPMs of no form", content: minimalConfig + "tpm: tpmrm0\n", want: []string{`line 3: tpm: "tpmrm0" is not a device path`}},
 		{name: "software TPM on a relative socket", content: minimalConfig + "tpm: unix:tpm.sock\n",
 			want: []string{`line 3: tpm: "unix:tpm.sock" is not unix:<absolute path of a socket>`}},
@@ -408,4 +412,21 @@ func FuzzLoadConfig(f *testing.F) {
 			t.Fatal("an accepted configuration names no platform")
 		}
 	})
+}
+
+// TestCloudImageConfigs: the example cloud images' agent.yaml load, name their platform and leave their nodes
+// to the cloud's controller manager, which the guides install.
+func TestCloudImageConfigs(t *testing.T) {
+	for _, cloud := range []string{"aws", "gcp"} {
+		c, err := LoadConfig(filepath.Join(repotest.Root(t), "examples", "packer", cloud, "agent.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.Platform().Name(); got != cloud {
+			t.Errorf("examples/packer/%s/agent.yaml: platform %s", cloud, got)
+		}
+		if c.Kubelet.CloudProvider != CloudProviderExternal {
+			t.Errorf("examples/packer/%s/agent.yaml: kubelet.cloudProvider %q, want %q", cloud, c.Kubelet.CloudProvider, CloudProviderExternal)
+		}
+	}
 }

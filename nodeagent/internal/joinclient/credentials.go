@@ -81,7 +81,7 @@ func planJoin(cfg *Config, self *metadata.Self, t *berthv1.JoinTicket, kubeletKe
 	if err := checkDiskKey(t.DiskKey); err != nil {
 		return nil, err
 	}
-	files, joinConfig, err := credentialFiles(cfg, inst, t, caCert, cert, kubeletKey)
+	files, joinConfig, err := credentialFiles(cfg, self, t, caCert, cert, kubeletKey)
 	if err != nil {
 		return nil, err
 	}
@@ -251,8 +251,10 @@ type credentialFile struct {
 
 // credentialFiles renders every file a checked ticket leaves on the node, in the order they are written,
 // and the path of the kubeadm join configuration among them ("" for the kubelet method).
-func credentialFiles(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket, caCert, cert *x509.Certificate, kubeletKey *ecdsa.PrivateKey) ([]credentialFile, string, error) {
-	p := cfg.Paths
+func credentialFiles(cfg *Config, self *metadata.Self, t *berthv1.JoinTicket, caCert, cert *x509.Certificate, kubeletKey *ecdsa.PrivateKey) ([]credentialFile, string, error) {
+	inst, p := self.Instance, cfg.Paths
+	cloud := cfg.KubeadmJoin.Cloud
+	cloud.ProviderID = self.ProviderID
 	keyPEM, err := pki.EncodeKeyPEM(kubeletKey)
 	if err != nil {
 		return nil, "", err
@@ -274,7 +276,7 @@ func credentialFiles(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket,
 	switch t.JoinMethod {
 	case berthv1.JoinMethod_JOIN_METHOD_KUBEADM:
 		params := cfg.KubeadmJoin
-		params.NodeName, params.NodeIP = t.NodeName, inst.Addresses[0]
+		params.NodeName, params.NodeIP, params.Cloud = t.NodeName, inst.Addresses[0], cloud
 		params.APIServerEndpoint, params.Token, params.CACertHashes = t.ApiServerEndpoint, t.BootstrapToken, t.DiscoveryCaCertHashes
 		if inst.Role == metadata.RoleControlPlane {
 			params.ControlPlane = &kubeadm.ControlPlaneJoin{AdvertiseAddress: inst.Addresses[0], BindPort: apiServerPort}
@@ -297,7 +299,7 @@ func credentialFiles(cfg *Config, inst metadata.Instance, t *berthv1.JoinTicket,
 		config, flags, err := kubeadm.KubeletFiles(kubeadm.KubeletParams{
 			NodeName: t.NodeName, NodeIP: inst.Addresses[0], ClientCAFile: caPath,
 			ClusterDNS: settings.ClusterDns, ClusterDomain: settings.ClusterDomain,
-			CRISocket: cfg.KubeadmJoin.CRISocket, Kubelet: cfg.Kubelet,
+			CRISocket: cfg.KubeadmJoin.CRISocket, Kubelet: cfg.Kubelet, Cloud: cloud,
 		})
 		if err != nil {
 			return nil, "", fmt.Errorf("kubelet configuration: %w", err)

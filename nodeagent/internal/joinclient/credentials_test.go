@@ -225,6 +225,45 @@ func TestWriteCredentialsKubeletMethod(t *testing.T) {
 	}
 }
 
+// TestWriteCredentialsCloud: a node of a cloud tells its kubelet its provider ID, from its own record, and to
+// wait for the cloud's controller manager, from the image, whichever way it joins.
+func TestWriteCredentialsCloud(t *testing.T) {
+	ca := newKubeCA(t)
+	self := &metadata.Self{Instance: credInstance, ProviderID: "aws:///eu-west-1b/i-0123456789abcdef0"}
+	// Where each join method writes the kubelet's flags, and how they read there.
+	for method, want := range map[berthv1.JoinMethod][]string{
+		berthv1.JoinMethod_JOIN_METHOD_KUBEADM: {"name: cloud-provider\n    value: external", "name: provider-id\n    value: aws:///eu-west-1b/i-0123456789abcdef0"},
+		berthv1.JoinMethod_JOIN_METHOD_KUBELET: {"--cloud-provider=external --provider-id=aws:///eu-west-1b/i-0123456789abcdef0\""},
+	} {
+		t.Run(method.String(), func(t *testing.T) {
+			p := testPaths(t)
+			ticket, key := ticketFor(t, ca, credInstance)
+			ticket.JoinMethod = method
+			cfg := &Config{Paths: p, KubeadmJoin: kubeadm.JoinParams{Cloud: kubeadm.Cloud{External: true}}}
+			plan, err := planJoin(cfg, self, ticket, key, testDisk.UUID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := plan.write(cfg); err != nil {
+				t.Fatal(err)
+			}
+			written := filepath.Join(p.KubeletDir, "kubeadm-flags.env")
+			if method == berthv1.JoinMethod_JOIN_METHOD_KUBEADM {
+				written = plan.joinConfig
+			}
+			b, err := os.ReadFile(written)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, w := range want {
+				if !strings.Contains(string(b), w) {
+					t.Errorf("%s lacks %q:\n%s", written, w, b)
+				}
+			}
+		})
+	}
+}
+
 func TestWriteCredentialsRefusesUnknownMethod(t *testing.T) {
 	ca := newKubeCA(t)
 	p := testPaths(t)

@@ -92,8 +92,9 @@ type Config struct {
 	Disk     Disk
 	Lock     Locker
 	Kubeadm  Kubeadm
-	// KubeadmJoin holds this machine's kubeadm settings (phases, kubelet flags, CRI socket); the ticket
-	// fills in the rest.
+	// KubeadmJoin holds this machine's kubeadm settings (phases, kubelet flags, CRI socket, Cloud.External,
+	// for tickets that join without kubeadm too); the ticket fills in the rest, the node's record its
+	// provider ID.
 	KubeadmJoin kubeadm.JoinParams
 	// Kubelet holds this machine's kubelet settings, for tickets that join without kubeadm.
 	Kubelet kubeadm.KubeletSettings

@@ -28,6 +28,9 @@ const maxKeyValueLen = 4096
 
 var instanceIDPattern = regexp.MustCompile(`^i-[0-9a-f]{8}([0-9a-f]{9})?$`)
 
+// IsInstanceID reports whether id has the shape of an EC2 instance id (i- and 8 or 17 hex digits).
+func IsInstanceID(id string) bool { return instanceIDPattern.MatchString(id) }
+
 // EKs reports the EK public keys of instances' NitroTPMs. Every Lookup has one; alone, it serves callers
 // that know the instance already (Terraform's init of the first control-plane node, by its instance id).
 type EKs struct {
@@ -56,7 +59,7 @@ func newEKs(api API, log *slog.Logger, clock func() time.Time, ttl time.Duration
 // (GetInstanceTpmEkPub, RSA 2048, DER). Keys are cached for the EK cache TTL, and concurrent requests for one
 // instance share one call. Each caller gets its own copy of the key.
 func (l *EKs) EKPublic(ctx context.Context, instanceID string) (*rsa.PublicKey, error) {
-	if !instanceIDPattern.MatchString(instanceID) {
+	if !IsInstanceID(instanceID) {
 		return nil, fmt.Errorf("EC2 EK of %q: not an EC2 instance id (i- and 8 or 17 lowercase hex digits)", bounded(instanceID))
 	}
 	k, stopped, err := l.cache.Get(ctx, instanceID, l.callTimeout, func(ctx context.Context) (*rsa.PublicKey, error) {

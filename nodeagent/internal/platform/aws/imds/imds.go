@@ -27,11 +27,13 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/berthlabs/berth/internal/cloud/aws/ec2instances"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/nodeagent/internal/platform/metadatahttp"
 )
@@ -48,6 +50,7 @@ const (
 	pathUserData   = "user-data"
 	pathToken      = "api/token"
 	pathRegion     = "meta-data/placement/region"
+	pathZone       = "meta-data/placement/availability-zone"
 	pathMAC        = "meta-data/mac"
 )
 
@@ -120,11 +123,11 @@ type Client struct {
 // Self reads the node's instance record and user-data. The role is the user-data's (one launch template
 // per role), worker when it names none.
 func (c *Client) Self(ctx context.Context) (*metadata.Self, error) {
-	var id, name, ipv4, ami string
+	var id, name, ipv4, ami, zone string
 	for _, v := range []struct {
 		path string
 		dst  *string
-	}{{pathInstanceID, &id}, {pathHostname, &name}, {pathIPv4, &ipv4}, {pathAMI, &ami}} {
+	}{{pathInstanceID, &id}, {pathHostname, &name}, {pathIPv4, &ipv4}, {pathAMI, &ami}, {pathZone, &zone}} {
 		b, err := c.get(ctx, v.path, maxValueSize)
 		if err != nil {
 			return nil, err
@@ -158,7 +161,22 @@ func (c *Client) Self(ctx context.Context) (*metadata.Self, error) {
 		return nil, fmt.Errorf("instance record from IMDS (name from %s, address from %s, image from %s, id from %s): %w",
 			pathHostname, pathIPv4, pathAMI, pathInstanceID, err)
 	}
-	return &metadata.Self{Instance: inst, UserData: ud}, nil
+	if !ec2instances.IsInstanceID(id) {
+		return nil, fmt.Errorf("reading %s from IMDS: %q is not an EC2 instance id", pathInstanceID, id)
+	}
+	if !zonePattern.MatchString(zone) {
+		return nil, fmt.Errorf("reading %s from IMDS: %q is not an availability zone name", pathZone, zone)
+	}
+	return &metadata.Self{Instance: inst, UserData: ud, ProviderID: ProviderID(zone, id)}, nil
+}
+
+// zonePattern matches availability zone names (us-east-1a) and Local or Wavelength Zone names
+// (us-east-1-bos-1a, us-east-1-wl1-bos-wlz-1): what may stand in a provider ID's path.
+var zonePattern = regexp.MustCompile(`\A[a-z]{2}(-[a-z0-9]+)+\z`)
+
+// ProviderID is the spec.providerID the AWS cloud controller manager knows an instance by.
+func ProviderID(zone, instanceID string) string {
+	return "aws:///" + zone + "/" + instanceID
 }
 
 // Placement reads the region and the VPC of the instance's primary network interface: where a join service

@@ -55,11 +55,12 @@ type fake struct {
 func newFake(t testing.TB) *fake {
 	return &fake{
 		values: map[string][]byte{
-			"meta-data/instance-id":    []byte("i-0123456789abcdef0"),
-			"meta-data/local-hostname": []byte("ip-10-0-1-23.eu-west-1.compute.internal"),
-			"meta-data/local-ipv4":     []byte("10.0.1.23"),
-			"meta-data/ami-id":         []byte("ami-0a887e401f7654935"),
-			"user-data":                userDataJSON(t, testUserData),
+			"meta-data/instance-id":                 []byte("i-0123456789abcdef0"),
+			"meta-data/local-hostname":              []byte("ip-10-0-1-23.eu-west-1.compute.internal"),
+			"meta-data/local-ipv4":                  []byte("10.0.1.23"),
+			"meta-data/ami-id":                      []byte("ami-0a887e401f7654935"),
+			"meta-data/placement/availability-zone": []byte("eu-west-1b"),
+			"user-data":                             userDataJSON(t, testUserData),
 		},
 		status: map[string]int{},
 		valid:  map[string]bool{},
@@ -128,7 +129,8 @@ func wantSelf(role metadata.Role, ud metadata.UserData) *metadata.Self {
 			ImageID:   "ami-0a887e401f7654935",
 			ID:        "i-0123456789abcdef0",
 		},
-		UserData: ud,
+		UserData:   ud,
+		ProviderID: "aws:///eu-west-1b/i-0123456789abcdef0",
 	}
 }
 
@@ -215,6 +217,25 @@ func TestSelf(t *testing.T) {
 			name:    "instance id with a newline",
 			values:  map[string]string{"meta-data/instance-id": "i-0123\n"},
 			wantErr: []string{"id from meta-data/instance-id", "control characters"},
+		},
+		{
+			name:    "instance id not EC2's",
+			values:  map[string]string{"meta-data/instance-id": "i-0123/../x"},
+			wantErr: []string{`reading meta-data/instance-id from IMDS: "i-0123/../x" is not an EC2 instance id`},
+		},
+		{
+			name:    "zone not a zone name",
+			values:  map[string]string{"meta-data/placement/availability-zone": "eu-west-1b/../i-0"},
+			wantErr: []string{`reading meta-data/placement/availability-zone from IMDS: "eu-west-1b/../i-0" is not an availability zone name`},
+		},
+		{
+			name:   "Local Zone",
+			values: map[string]string{"meta-data/placement/availability-zone": "us-east-1-bos-1a"},
+			want: func() *metadata.Self {
+				s := wantSelf(metadata.RoleWorker, testUserData)
+				s.ProviderID = "aws:///us-east-1-bos-1a/i-0123456789abcdef0"
+				return s
+			}(),
 		},
 		{
 			name:    "missing value",

@@ -20,11 +20,12 @@ func TestSelfFromAWSMock(t *testing.T) {
 	ud := testUserData
 	ud.Role = metadata.RoleControlPlane
 	mock := imdstest.Start(t, imdstest.Config{
-		InstanceID:    "i-0fedcba9876543210",
-		LocalHostname: "ip-10-0-2-7.eu-west-1.compute.internal",
-		LocalIPv4:     "10.0.2.7",
-		AMIID:         "ami-0123456789abcdef0",
-		UserData:      userDataJSON(t, ud),
+		InstanceID:       "i-0fedcba9876543210",
+		LocalHostname:    "ip-10-0-2-7.eu-west-1.compute.internal",
+		LocalIPv4:        "10.0.2.7",
+		AMIID:            "ami-0123456789abcdef0",
+		UserData:         userDataJSON(t, ud),
+		AvailabilityZone: "eu-west-1c",
 	})
 	ctx := context.Background()
 
@@ -49,7 +50,8 @@ func TestSelfFromAWSMock(t *testing.T) {
 			ImageID:   "ami-0123456789abcdef0",
 			ID:        "i-0fedcba9876543210",
 		},
-		UserData: ud,
+		UserData:   ud,
+		ProviderID: "aws:///eu-west-1c/i-0fedcba9876543210",
 	}
 	if diff := cmp.Diff(want, self, equateAddr); diff != "" {
 		t.Fatalf("Self (-want +got):\n%s", diff)

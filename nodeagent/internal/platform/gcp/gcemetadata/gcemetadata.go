@@ -206,7 +206,13 @@ func (c *Client) Self(ctx context.Context) (*metadata.Self, error) {
 		return nil, fmt.Errorf("instance record from the GCE metadata server (name from %s, address from %s, image from %s, id from %s, %s and %s): %w",
 			pathName, pathIP, pathImage, pathProjectID, pathZone, pathID, err)
 	}
-	return &metadata.Self{Instance: inst, UserData: ud}, nil
+	return &metadata.Self{Instance: inst, UserData: ud, ProviderID: ProviderID(project, zone, name)}, nil
+}
+
+// ProviderID is the spec.providerID the GCP cloud controller manager knows an instance by: unlike
+// InstanceID, by its name.
+func ProviderID(project, zone, name string) string {
+	return "gce://" + project + "/" + zone + "/" + name
 }
 
 // InstanceID is a Compute Engine instance's id as Berth records it: "projects/<project id>/zones/<zone>/

@@ -58,7 +58,8 @@ func wantSelf(role metadata.Role, ud metadata.UserData) *metadata.Self {
 			ImageID:   "projects/berth-prod/global/images/berth-node-1-2-0",
 			ID:        "projects/berth-prod/zones/europe-west1-b/instances/4520818434431224105",
 		},
-		UserData: ud,
+		UserData:   ud,
+		ProviderID: "gce://berth-prod/europe-west1-b/berth-workers-7x2k",
 	}
 }
 
