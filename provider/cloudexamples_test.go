@@ -152,6 +152,38 @@ func TestAWSExampleFirstApply(t *testing.T) {
 	if !slices.Contains(references(nodes, "vpc_security_group_ids"), "aws_security_group.pod_network.id") {
 		t.Error("aws_launch_template.node must put every node in aws_security_group.pod_network")
 	}
+
+	// The cloud controller manager reads the cluster's id from its own instance's tags.
+	locals := &hcl.EvalContext{Variables: map[string]cty.Value{"local": cty.ObjectVal(map[string]cty.Value{"cluster_name": cty.StringVal("prod")})}}
+	for _, name := range []string{"control_plane", "worker"} {
+		tagged := false
+		for _, tag := range e.block("resource", "aws_autoscaling_group", name).Body.Blocks {
+			if tag.Type != "tag" || tag.Body.Attributes["key"] == nil {
+				continue
+			}
+			key, diags := tag.Body.Attributes["key"].Expr.Value(locals)
+			propagate := literal(tag.Body, "propagate_at_launch")
+			tagged = tagged || !diags.HasErrors() && key.AsString() == "kubernetes.io/cluster/prod" &&
+				literal(tag.Body, "value").RawEquals(cty.StringVal("owned")) && propagate != cty.NilVal && propagate.True()
+		}
+		if !tagged {
+			t.Errorf("aws_autoscaling_group.%s must tag its instances kubernetes.io/cluster/<cluster> = owned at launch, for the cloud controller manager", name)
+		}
+	}
+	iam := e.block("data", "aws_iam_policy_document", "cloud_controller_manager").Body
+	var actions []string
+	for _, st := range iam.Blocks {
+		if v := literal(st.Body, "actions"); v != cty.NilVal {
+			for _, a := range v.AsValueSlice() {
+				actions = append(actions, a.AsString())
+			}
+		}
+	}
+	for _, want := range []string{"ec2:DescribeInstances", "ec2:DescribeAvailabilityZones", "ec2:DescribeInstanceTopology", "elasticloadbalancing:CreateLoadBalancer"} {
+		if !slices.Contains(actions, want) {
+			t.Errorf("the cloud controller manager's policy lacks %s (it has %v)", want, actions)
+		}
+	}
 }
 
 func TestGCPExampleFirstApply(t *testing.T) {

@@ -249,6 +249,12 @@ resource "aws_autoscaling_group" "control_plane" {
   }
   # berth_cluster needs the first node running; this waits for it.
   wait_for_capacity_timeout = "15m"
+  # The AWS cloud controller manager knows the cluster's instances by this tag (docs/guides/aws.md).
+  tag {
+    key                 = "kubernetes.io/cluster/${local.cluster_name}"
+    value               = "owned"
+    propagate_at_launch = true
+  }
 }
 
 data "aws_instances" "first_control_plane" {
@@ -312,6 +318,12 @@ resource "aws_autoscaling_group" "worker" {
   launch_template {
     id      = aws_launch_template.node["worker"].id
     version = aws_launch_template.node["worker"].latest_version
+  }
+  # The AWS cloud controller manager knows the cluster's instances by this tag (docs/guides/aws.md).
+  tag {
+    key                 = "kubernetes.io/cluster/${local.cluster_name}"
+    value               = "owned"
+    propagate_at_launch = true
   }
   depends_on = [berth_join_policy.prod]
 }

@@ -55,12 +55,18 @@ import (
 type AWSConfig struct {
 	// IMDSMock is the ec2-metadata-mock binary (scripts/build-imds-mock.sh builds it; imdstest.Binary).
 	IMDSMock string `json:"imdsMock"`
+	// CloudControllerManager, if set, is the AWS cloud controller manager's binary
+	// (scripts/build-aws-ccm.sh builds it): the nodes' kubelets run with --cloud-provider=external and their
+	// provider IDs, and every control-plane node runs the controller manager once the cluster exists, as
+	// the guides' DaemonSet does, against the lab's EC2 endpoint with its instance profile's credentials.
+	CloudControllerManager string `json:"cloudControllerManager,omitempty"`
 }
 
 // Where an AWS lab's instances are, and the autoscaling groups of its roles. The nodes read the region and
 // the VPC from their IMDS; their agents map the groups back to roles.
 const (
-	AWSRegion         = "us-east-1" // ec2test's region
+	AWSRegion         = "us-east-1"  // ec2test's region
+	AWSZone           = "us-east-1a" // every instance's availability zone
 	AWSVPC            = "vpc-0be27c1a5b1ab0001"
 	ControlPlaneGroup = "berth-cp"
 	WorkerGroup       = "berth-workers"
@@ -193,7 +199,7 @@ func (n *Node) createAWS(ctx context.Context, userData metadata.UserData) error 
 	rand.Read(secret)
 	config, err := imdstest.MockConfig(imdstest.Config{
 		InstanceID: n.ec2.ID, LocalHostname: n.Name, LocalIPv4: n.Addr.String(), AMIID: amiID(n.Image),
-		Region: AWSRegion, VPCID: AWSVPC, UserData: ud,
+		Region: AWSRegion, AvailabilityZone: AWSZone, VPCID: AWSVPC, UserData: ud,
 		Credentials: &imdstest.Credentials{AccessKeyID: instanceKeyID(n.ec2.ID), SecretAccessKey: hex.EncodeToString(secret),
 			Token: "berthlab-session-" + n.ec2.ID, Expiration: time.Now().Add(7 * 24 * time.Hour)},
 	})
@@ -254,10 +260,12 @@ func (n *Node) powerOnAWS(ctx context.Context) error {
 			ek = n.ec2.ReportedEK
 		}
 		l.EC2.Put(ec2test.Instance{
-			ID: n.ec2.ID, ImageID: amiID(n.Image), VPCID: AWSVPC, SubnetID: "subnet-0be27c1a5b1ab0001",
+			ID: n.ec2.ID, ImageID: amiID(n.Image), VPCID: AWSVPC, SubnetID: "subnet-0be27c1a5b1ab0001", Zone: AWSZone,
 			PrivateDNSName: n.Name, Interfaces: [][]netip.Addr{{n.Addr}},
-			Tags: map[string]string{"aws:autoscaling:groupName": n.ec2.Group, "Name": n.Name},
-			EK:   ek,
+			// The guides' groups tag their instances with the cluster, as the cloud controller manager expects.
+			Tags: map[string]string{"aws:autoscaling:groupName": n.ec2.Group, "Name": n.Name,
+				"kubernetes.io/cluster/" + ClusterName: "owned"},
+			EK: ek,
 		})
 	}
 	args := append([]string{n.lab.cfg.AWS.IMDSMock}, imdstest.Args(imdsAddr, imdsPort, n.path("imds/aemm-config.json"))...)
@@ -328,4 +336,47 @@ func (n *Node) agentEnv() []string {
 	}
 	return append(env, "AWS_CA_BUNDLE="+n.lab.path(ec2CAFile), "AWS_CONFIG_FILE="+n.path("aws/config"),
 		"AWS_SHARED_CREDENTIALS_FILE="+n.path("aws/credentials"))
+}
+
+// ccmLog is the log of a control-plane node's cloud controller manager, in the node's logs directory.
+const ccmLog = "cloud-controller-manager"
+
+// startCloudControllerManager runs the AWS cloud controller manager on a control-plane node of an AWS lab
+// whose cluster exists, as the guides' DaemonSet runs it on every control-plane node: inside the node, with
+// its instance profile's credentials from its IMDS, the lab's EC2 endpoint as EC2 (the only service
+// override: LoadBalancer Services would need ELB, which the lab does not serve), and the lab's admin
+// kubeconfig. The copies elect a leader among themselves.
+func (n *Node) startCloudControllerManager() error {
+	l := n.lab
+	// The override's Service is aws-sdk-go-v2's service id, which it must match exactly ("ec2" is ignored).
+	conf := fmt.Sprintf("[Global]\nZone = %s\n\n[ServiceOverride \"1\"]\nService = EC2\nRegion = %s\nURL = https://%s\nSigningRegion = %s\n",
+		AWSZone, AWSRegion, net.JoinHostPort(hostAddr.String(), strconv.Itoa(ec2Port)), AWSRegion)
+	if err := os.WriteFile(n.path("aws/cloud.conf"), []byte(conf), 0o600); err != nil {
+		return err
+	}
+	kubeconfig := l.path("admin.conf")
+	_, _, err := n.startCmdEnv(ccmLog, n.agentEnv(), l.cfg.AWS.CloudControllerManager,
+		"--cloud-provider=aws", "--cloud-config="+n.path("aws/cloud.conf"),
+		"--kubeconfig="+kubeconfig, "--authentication-kubeconfig="+kubeconfig, "--authorization-kubeconfig="+kubeconfig,
+		"--use-service-account-credentials=false", "--configure-cloud-routes=false", "--leader-elect=true",
+		// The lab's nodes go NotReady after 50 s: a deleted instance's Node goes one check later.
+		"--node-monitor-period=5s", "--v=2")
+	if err != nil {
+		return err
+	}
+	l.progress("%s: AWS cloud controller manager started (log %s)", n.Name, n.path("logs/"+ccmLog+".log"))
+	return nil
+}
+
+// runsCloudControllerManager says whether the node runs the cloud controller manager once the cluster exists.
+func (n *Node) runsCloudControllerManager() bool {
+	return n.ec2 != nil && n.Role == metadata.RoleControlPlane && n.lab.cfg.AWS.CloudControllerManager != ""
+}
+
+// setEC2State tells the lab's EC2 endpoint, in the process that has it, that the node's instance is in state
+// (stopped at a power-off, terminated at its removal), as EC2 reports it to the cloud controller manager.
+func (n *Node) setEC2State(state string) {
+	if n.ec2 != nil && n.lab.EC2 != nil {
+		n.lab.EC2.SetState(n.ec2.ID, state)
+	}
 }

@@ -358,6 +358,9 @@ func Up(ctx context.Context, cfg Config) (*Lab, error) {
 	return l, l.InitCluster(ctx, cfg.Nodes)
 }
 
+// ClusterName is the name of the lab's cluster.
+const ClusterName = "berthlab"
+
 // InitCluster does on a host StartHost started what Up does after it: it makes the cluster's secrets, adds
 // the nodes of specs (the first a control-plane node), initializes the first through the attested init
 // client and waits until every node is Ready.
@@ -371,7 +374,7 @@ func (l *Lab) InitCluster(ctx context.Context, specs []NodeSpec) error {
 		return err
 	}
 	l.KubeCA, l.JoinCA, l.secrets = secrets.kubeCA, secrets.joinCA, secrets
-	userData := metadata.UserData{ClusterName: "berthlab", JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
+	userData := metadata.UserData{ClusterName: ClusterName, JoinPort: joinPort, JoinCAPin: pki.SPKIPin(l.JoinCA.Cert),
 		InitSecretHash: secrets.initHash}
 	if l.cfg.AWS != nil || l.cfg.GCP != nil {
 		// An instance cannot list the others: its user-data names the join service, on the first node.
@@ -403,6 +406,11 @@ func (l *Lab) InitCluster(ctx context.Context, specs []NodeSpec) error {
 	}
 	if err := os.WriteFile(l.Kubeconfig, kubeconfig, 0o600); err != nil {
 		return err
+	}
+	if cp.runsCloudControllerManager() {
+		if err := cp.startCloudControllerManager(); err != nil {
+			return err
+		}
 	}
 	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
 	defer cancel()
@@ -596,7 +604,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			InitSecret: []byte(s.initSecret), MasterSecret: s.master, Salt: s.salt,
 			KubernetesCaCertificate: s.kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: s.joinCA.CertPEM(), JoinCaKey: joinKey,
-			ClusterName: "berthlab", KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
+			ClusterName: ClusterName, KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
 			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"), PodNetwork: podnetwork.Flannel,
 			CertificateValiditySeconds: int64(l.cfg.CertificateValidity / time.Second),
 		},

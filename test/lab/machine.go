@@ -133,9 +133,8 @@ func (l *Lab) RemoveNode(ctx context.Context, name string) error {
 	}
 	l.progress("%s: power off and remove", name)
 	n.PowerOff()
-	if n.ec2 != nil && l.EC2 != nil {
-		l.EC2.Remove(n.ec2.ID)
-	}
+	// EC2 reports a terminated instance for about an hour after.
+	n.setEC2State("terminated")
 	if n.gce != nil && l.Compute != nil {
 		l.Compute.Remove(GCPZone, n.Name)
 	}

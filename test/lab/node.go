@@ -275,6 +275,12 @@ func (n *Node) powerOn(ctx context.Context) error {
 	if err := n.boot(); err != nil {
 		return err
 	}
+	// A control-plane node that boots again runs the controller manager again, once the cluster exists.
+	if _, err := os.Stat(n.lab.path("admin.conf")); err == nil && n.runsCloudControllerManager() {
+		if err := n.startCloudControllerManager(); err != nil {
+			return err
+		}
+	}
 	return n.save()
 }
 
@@ -286,6 +292,7 @@ func (n *Node) PowerOff() {
 	n.agentGen++
 	n.agentMu.Unlock()
 	n.stop(10 * time.Second)
+	n.setEC2State("stopped")
 	// The pid comes from node.json when another process powered the node on: kill it only while it is
 	// still the node's.
 	if n.holder != 0 && slices.Contains(cgroupPIDs(n.Name), n.holder) {
@@ -639,6 +646,9 @@ state = "/run/containerd"
 	switch {
 	case n.ec2 != nil:
 		cfg["aws"] = awsAgentConfig()
+		if n.lab.cfg.AWS.CloudControllerManager != "" {
+			cfg["kubelet"].(map[string]any)["cloudProvider"] = "external"
+		}
 	case n.gce != nil:
 		cfg["gcp"] = n.gcpAgentConfig()
 	case n.CloudInit != "":

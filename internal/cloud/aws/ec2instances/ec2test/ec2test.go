@@ -3,12 +3,15 @@
 // reference, EC2's error document), so that tests drive the official SDK, with its serializers,
 // deserializers and retryer, exactly as against AWS.
 //
-// It serves DescribeInstances (filters applied for real, with pagination) and GetInstanceTpmEkPub, holds
+// It serves DescribeInstances (filters applied for real, with pagination), DescribeAvailabilityZones,
+// DescribeInstanceTopology and GetInstanceTpmEkPub (what Berth and the AWS cloud controller manager's node
+// controllers call), holds
 // the instances a test puts in it, counts calls per action, and can throttle, deny or hold calls. It is a
 // test harness: no program may import it.
 package ec2test
 
 import (
+	"cmp"
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/base64"
@@ -38,9 +41,17 @@ const xmlns = "http://ec2.amazonaws.com/doc/" + APIVersion + "/"
 
 // Actions this endpoint serves.
 const (
-	DescribeInstances   = "DescribeInstances"
-	GetInstanceTpmEkPub = "GetInstanceTpmEkPub"
+	DescribeInstances         = "DescribeInstances"
+	DescribeAvailabilityZones = "DescribeAvailabilityZones"
+	DescribeInstanceTopology  = "DescribeInstanceTopology"
+	GetInstanceTpmEkPub       = "GetInstanceTpmEkPub"
 )
+
+// Zones are the availability zones of the endpoint's region, with their zone ids (which differ between
+// accounts on AWS).
+var Zones = []struct{ Name, ID string }{
+	{"us-east-1a", "use1-az4"}, {"us-east-1b", "use1-az6"}, {"us-east-1c", "use1-az1"},
+}
 
 // Limits EC2 applies to DescribeInstances.
 const (
@@ -59,9 +70,11 @@ type Instance struct {
 	ImageID string // ami-…
 	// State is the instance state name (pending, running, stopping, stopped, shutting-down, terminated);
 	// empty means running.
-	State          string
-	VPCID          string
-	SubnetID       string
+	State    string
+	VPCID    string
+	SubnetID string
+	// Zone is the instance's availability zone, one of Zones; empty means the first.
+	Zone           string
 	PrivateDNSName string
 	// Interfaces are the private IPv4 addresses of the instance's network interfaces, by device index; the
 	// first address of each is the interface's primary address, and the first interface's primary address
@@ -204,6 +217,19 @@ func (s *Server) Put(instances ...Instance) {
 	}
 }
 
+// SetState gives the instance with this id the state name (running, stopped, terminated, …), as EC2 does
+// when it is started, stopped or terminated; it reports whether the endpoint has the instance.
+func (s *Server) SetState(id, state string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	inst, ok := s.instances[id]
+	if ok {
+		inst.State = state
+		s.instances[id] = inst
+	}
+	return ok
+}
+
 // Remove deletes the instances with these ids.
 func (s *Server) Remove(ids ...string) {
 	s.mu.Lock()
@@ -308,7 +334,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		writeError(w, requestID, &apiError{http.StatusBadRequest, "InvalidParameterValue",
 			fmt.Sprintf("Invalid API version %q", form.Get("Version"))})
 		return
-	case action != DescribeInstances && action != GetInstanceTpmEkPub:
+	case !slices.Contains([]string{DescribeInstances, DescribeAvailabilityZones, DescribeInstanceTopology, GetInstanceTpmEkPub}, action):
 		writeError(w, requestID, &apiError{http.StatusBadRequest, "InvalidAction",
 			fmt.Sprintf("The action %s is not valid for this web service.", action)})
 		return
@@ -323,9 +349,15 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		body any
 		aerr *apiError
 	)
-	if action == DescribeInstances {
+	switch action {
+	case DescribeInstances:
 		body, aerr = s.describeInstances(form, requestID)
-	} else {
+	case DescribeAvailabilityZones:
+		body, aerr = s.describeAvailabilityZones(form, requestID)
+	case DescribeInstanceTopology:
+		// EC2 answers no topology for the instance types it has none for, which is every type ec2test reports.
+		body = describeInstanceTopologyResponse{Xmlns: xmlns, RequestID: requestID}
+	default:
 		body, aerr = s.getInstanceTpmEkPub(form, requestID)
 	}
 	if aerr != nil {
@@ -607,6 +639,32 @@ func canonicalFilters(filters []filter, ids []string) string {
 	return strings.Join(parts, ";") + "|" + strings.Join(ids, ",")
 }
 
+// describeAvailabilityZones answers the region's zones, or those of ZoneName.N; filters are not served.
+func (s *Server) describeAvailabilityZones(form url.Values, requestID string) (any, *apiError) {
+	var names []string
+	for key, vals := range form {
+		switch {
+		case strings.HasPrefix(key, "ZoneName."):
+			names = append(names, vals[0])
+		case strings.HasPrefix(key, "Filter.") || strings.HasPrefix(key, "ZoneId."):
+			return nil, invalidParameter("ec2test serves DescribeAvailabilityZones without filters or zone ids (%s)", key)
+		}
+	}
+	resp := describeAvailabilityZonesResponse{Xmlns: xmlns, RequestID: requestID}
+	for _, z := range Zones {
+		if len(names) == 0 || slices.Contains(names, z.Name) {
+			resp.Zones.Items = append(resp.Zones.Items, zoneXML{ZoneName: z.Name, ZoneID: z.ID, ZoneState: "available",
+				ZoneType: "availability-zone", RegionName: s.Region, OptInStatus: "opt-in-not-required"})
+		}
+	}
+	for _, n := range names {
+		if !slices.ContainsFunc(Zones, func(z struct{ Name, ID string }) bool { return z.Name == n }) {
+			return nil, invalidParameter("The zone '%s' does not exist.", n)
+		}
+	}
+	return resp, nil
+}
+
 func (s *Server) getInstanceTpmEkPub(form url.Values, requestID string) (any, *apiError) {
 	id, keyType, keyFormat := form.Get("InstanceId"), form.Get("KeyType"), form.Get("KeyFormat")
 	switch {
@@ -654,6 +712,34 @@ type describeInstancesResponse struct {
 	NextToken    string                `xml:"nextToken,omitempty"`
 }
 
+type describeAvailabilityZonesResponse struct {
+	XMLName   xml.Name       `xml:"DescribeAvailabilityZonesResponse"`
+	Xmlns     string         `xml:"xmlns,attr"`
+	RequestID string         `xml:"requestId"`
+	Zones     items[zoneXML] `xml:"availabilityZoneInfo"`
+}
+
+type describeInstanceTopologyResponse struct {
+	XMLName   xml.Name      `xml:"DescribeInstanceTopologyResponse"`
+	Xmlns     string        `xml:"xmlns,attr"`
+	RequestID string        `xml:"requestId"`
+	Instances items[string] `xml:"instanceSet"`
+}
+
+type zoneXML struct {
+	ZoneName    string `xml:"zoneName"`
+	ZoneID      string `xml:"zoneId"`
+	ZoneState   string `xml:"zoneState"`
+	ZoneType    string `xml:"zoneType"`
+	RegionName  string `xml:"regionName"`
+	OptInStatus string `xml:"optInStatus"`
+}
+
+type placementXML struct {
+	AvailabilityZone string `xml:"availabilityZone"`
+	Tenancy          string `xml:"tenancy"`
+}
+
 type reservationXML struct {
 	ReservationID string             `xml:"reservationId"`
 	OwnerID       string             `xml:"ownerId"`
@@ -676,6 +762,7 @@ type instanceXML struct {
 	State             instanceStateXML           `xml:"instanceState"`
 	PrivateDNSName    string                     `xml:"privateDnsName"`
 	InstanceType      string                     `xml:"instanceType"`
+	Placement         placementXML               `xml:"placement"`
 	PrivateIPAddress  string                     `xml:"privateIpAddress,omitempty"`
 	SubnetID          string                     `xml:"subnetId,omitempty"`
 	VPCID             string                     `xml:"vpcId,omitempty"`
@@ -739,6 +826,7 @@ func instanceXMLOf(inst Instance) instanceXML {
 		State:          instanceStateXML{Code: stateCodes[inst.state()], Name: inst.state()},
 		PrivateDNSName: inst.PrivateDNSName,
 		InstanceType:   "m7i.large",
+		Placement:      placementXML{AvailabilityZone: cmp.Or(inst.Zone, Zones[0].Name), Tenancy: "default"},
 		SubnetID:       inst.SubnetID,
 		VPCID:          inst.VPCID,
 		BootMode:       "uefi",

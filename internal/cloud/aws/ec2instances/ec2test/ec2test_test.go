@@ -197,3 +197,47 @@ func TestTLS(t *testing.T) {
 		t.Errorf("AccessKeyIDs() = %v", got)
 	}
 }
+
+// TestZones: the SDK reads an instance's zone and the region's zones, with their ids, as the AWS cloud
+// controller manager's node controller does.
+func TestZones(t *testing.T) {
+	srv := fixture(t)
+	srv.Put(ec2test.Instance{ID: "i-00000000000000003", Zone: "us-east-1c", Interfaces: [][]netip.Addr{{netip.MustParseAddr("10.0.2.1")}}})
+	api := client(srv, 1)
+	out, err := api.DescribeInstances(t.Context(), &ec2.DescribeInstancesInput{InstanceIds: []string{"i-00000000000000001", "i-00000000000000003"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var zones []string
+	for _, r := range out.Reservations {
+		for _, i := range r.Instances {
+			zones = append(zones, aws.ToString(i.Placement.AvailabilityZone))
+		}
+	}
+	if got := strings.Join(zones, ","); got != "us-east-1a,us-east-1c" {
+		t.Errorf("zones %q, want us-east-1a (the default) and us-east-1c", got)
+	}
+
+	azs, err := api.DescribeAvailabilityZones(t.Context(), &ec2.DescribeAvailabilityZonesInput{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, z := range azs.AvailabilityZones {
+		got = append(got, fmt.Sprintf("%s=%s %s %s %s", aws.ToString(z.ZoneName), aws.ToString(z.ZoneId), aws.ToString(z.RegionName), z.State, aws.ToString(z.ZoneType)))
+	}
+	if want := "us-east-1a=use1-az4 us-east-1 available availability-zone;us-east-1b=use1-az6 us-east-1 available availability-zone;us-east-1c=use1-az1 us-east-1 available availability-zone"; strings.Join(got, ";") != want {
+		t.Errorf("zones %q, want %q", strings.Join(got, ";"), want)
+	}
+	topo, err := api.DescribeInstanceTopology(t.Context(), &ec2.DescribeInstanceTopologyInput{InstanceIds: []string{"i-00000000000000003"}})
+	switch {
+	case err != nil:
+		t.Errorf("DescribeInstanceTopology: %v", err)
+	case len(topo.Instances) != 0:
+		t.Errorf("DescribeInstanceTopology of an m7i.large: %v, want no topology, as EC2 answers for types it has none for", topo.Instances)
+	}
+	if _, err := api.DescribeAvailabilityZones(t.Context(), &ec2.DescribeAvailabilityZonesInput{ZoneNames: []string{"us-east-1z"}}); err == nil ||
+		!strings.Contains(err.Error(), "The zone 'us-east-1z' does not exist") {
+		t.Errorf("an unknown zone: %v", err)
+	}
+}
