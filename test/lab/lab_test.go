@@ -31,7 +31,7 @@ import (
 // measured again), another process finds the lab Ready from its directory (berth-lab wait), and nothing is
 // left on the host afterwards. Every node attests against the image manifest's predicted PCRs. Root on a
 // worker cannot get another node's identity through the API, while a node's own renewal is still signed
-// (issue 15).
+// (issue 15). Last it removes worker-1 as docs/guides/remove-nodes.md says (issue 30).
 func TestLab(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
@@ -147,7 +147,7 @@ func TestLab(t *testing.T) {
 			t.Errorf("berth-lab wait does not list %s:\n%s", n.Name, out)
 		}
 	}
-	checkGoneNodes(ctx, t, l, l.Node("worker-0"), "worker-1")
+	checkRemoveNodes(ctx, t, cfg, l, l.Node("worker-0"), w)
 	for name, d := range l.Timings {
 		t.Logf("%s: %.1fs", name, d.Seconds())
 	}
@@ -161,16 +161,56 @@ func TestLab(t *testing.T) {
 // goneNodeGrace is how long TestLab's join services leave the Node of an instance removed from the lab.
 const goneNodeGrace = 20 * time.Second
 
-// checkGoneNodes powers off (keeps in the inventory) and removes (deletes from the inventory) a worker each:
-// the removed one's Node disappears once it is NotReady and its grace has passed; the powered-off one's
-// stays, past the time the other took and a grace more.
-func checkGoneNodes(ctx context.Context, t *testing.T, l *Lab, off *Node, removed string) {
+// checkRemoveNodes follows docs/guides/remove-nodes.md in the lab for the worker removed, whose Deployment
+// pod moves at the drain, while off is only powered off (kept in the inventory): the removed one's Node
+// disappears once it is NotReady and its grace has passed; the powered-off one's stays, past the time the
+// other took and a grace more.
+func checkRemoveNodes(ctx context.Context, t *testing.T, cfg Config, l *Lab, off, removed *Node) {
 	t.Helper()
-	start := time.Now()
-	off.PowerOff()
-	if err := l.RemoveNode(ctx, removed); err != nil {
+	const other = "cp-0"
+	if _, err := l.kubectlStdin(ctx, fmt.Sprintf(movesManifest, removed.Name, other, ProbeImage, probePort), "apply", "-f", "-"); err != nil {
 		t.Fatal(err)
 	}
+	if on := rolledOutOn(ctx, t, l, "moves"); on != removed.Name {
+		t.Fatalf("deployment moves runs on %s, want %s, which it prefers", on, removed.Name)
+	}
+	// The guide's blocks run as written, with the lab's binary as berth-lab and the test's lab as its default.
+	runbook := func(marker string) {
+		t.Helper()
+		script := "berth-lab() { \"$BERTH_LAB\" \"$@\" --dir \"$LAB_DIR\"; }\n" + string(repotest.MarkdownBlock(t, "docs/guides/remove-nodes.md", marker))
+		cmd := exec.CommandContext(ctx, "bash", "-euo", "pipefail", "-c", script)
+		cmd.Env = append(os.Environ(), "NODE="+removed.Name, "KUBECONFIG="+l.Kubeconfig, "PATH="+cfg.KubeBin+":"+os.Getenv("PATH"),
+			"BERTH_LAB="+cfg.LabBinary, "LAB_DIR="+cfg.Dir)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("the guide's block with %q: %v\n%s", marker, err, out)
+		}
+		t.Logf("the guide's block with %q:\n%s", marker, out)
+	}
+	runbook("kubectl drain")
+	if on := rolledOutOn(ctx, t, l, "moves"); on != other {
+		t.Errorf("after the drain, deployment moves runs on %s, want %s", on, other)
+	}
+	unschedulable, err := l.Kubectl(ctx, "get", "node", removed.Name, "-o", "jsonpath={.spec.unschedulable}")
+	if err != nil || unschedulable != "true" {
+		t.Errorf("%s after the drain: unschedulable %q, %v", removed.Name, unschedulable, err)
+	}
+	left, err := l.Kubectl(ctx, "get", "pods", "-A", "--field-selector", "spec.nodeName="+removed.Name,
+		"-o", `jsonpath={range .items[*]}{.metadata.name} {.metadata.ownerReferences[0].kind}{"\n"}{end}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(left) {
+		if f := strings.Fields(line); len(f) != 2 || f[1] != "DaemonSet" {
+			t.Errorf("%s after the drain runs %q, which is not a DaemonSet's pod", removed.Name, strings.TrimSpace(line))
+		}
+	}
+
+	start := time.Now()
+	off.PowerOff()
+	runbook("berth-lab node down")
+	// berth-lab removed the node in a process of its own.
+	l.Nodes = slices.DeleteFunc(l.Nodes, func(n *Node) bool { return n == removed })
 	exists := func(name string) bool {
 		t.Helper()
 		out, err := l.Kubectl(ctx, "get", "node", name, "--ignore-not-found", "-o", "name")
@@ -181,13 +221,13 @@ func checkGoneNodes(ctx context.Context, t *testing.T, l *Lab, off *Node, remove
 	}
 	// The node controller marks a silent node NotReady after its grace period (50 s), and a join service
 	// sweeps a few times within goneNodeGrace.
-	for deadline := time.Now().Add(4 * time.Minute); exists(removed); time.Sleep(2 * time.Second) {
+	for deadline := time.Now().Add(4 * time.Minute); exists(removed.Name); time.Sleep(2 * time.Second) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the Node of %s, removed from the lab %v ago, is still there", removed, time.Since(start).Round(time.Second))
+			t.Fatalf("the Node of %s, removed from the lab %v ago, is still there", removed.Name, time.Since(start).Round(time.Second))
 		}
 	}
 	took := time.Since(start)
-	t.Logf("the Node of %s, removed from the lab, was deleted after %v", removed, took.Round(time.Second))
+	t.Logf("the Node of %s, removed from the lab, was deleted after %v", removed.Name, took.Round(time.Second))
 	time.Sleep(goneNodeGrace + 10*time.Second)
 	if !exists(off.Name) {
 		t.Errorf("the Node of %s, only powered off, was deleted", off.Name)
@@ -200,6 +240,63 @@ func checkGoneNodes(ctx context.Context, t *testing.T, l *Lab, off *Node, remove
 	if !logged {
 		t.Error("no join service logged the removal")
 	}
+}
+
+// movesManifest is a Deployment of one probe replica that prefers the node %[1]s and may run on %[2]s
+// (control-plane nodes included).
+const movesManifest = `apiVersion: apps/v1
+kind: Deployment
+metadata: {name: moves, namespace: default}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: moves}}
+  template:
+    metadata: {labels: {app: moves}}
+    spec:
+      affinity:
+        nodeAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+            nodeSelectorTerms:
+            - matchExpressions: [{key: kubernetes.io/hostname, operator: In, values: [%[1]s, %[2]s]}]
+          preferredDuringSchedulingIgnoredDuringExecution:
+          - weight: 100
+            preference:
+              matchExpressions: [{key: kubernetes.io/hostname, operator: In, values: [%[1]s]}]
+      tolerations:
+      - {key: node-role.kubernetes.io/control-plane, operator: Exists, effect: NoSchedule}
+      containers:
+      - name: probe
+        image: %[3]s
+        imagePullPolicy: Never
+        args: [serve, ":%[4]d"]
+        readinessProbe:
+          httpGet: {path: /, port: %[4]d}
+          periodSeconds: 2
+`
+
+// rolledOutOn waits until the Deployment name has rolled out, and returns the node of its one ready pod.
+func rolledOutOn(ctx context.Context, t *testing.T, l *Lab, name string) string {
+	t.Helper()
+	if _, err := l.Kubectl(ctx, "rollout", "status", "deployment/"+name, "--timeout=2m"); err != nil {
+		pods, _ := l.Kubectl(ctx, "describe", "pods", "-l", "app="+name)
+		t.Fatalf("deployment %s: %v\n%s", name, err, pods)
+	}
+	// A drained pod may still be terminating beside its ready successor.
+	out, err := l.Kubectl(ctx, "get", "pods", "-l", "app="+name, "--field-selector", "status.phase=Running",
+		"-o", `jsonpath={range .items[*]}{.metadata.deletionTimestamp}|{.spec.nodeName}{"\n"}{end}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var nodes []string
+	for line := range strings.Lines(out) {
+		if deleting, node, _ := strings.Cut(strings.TrimSpace(line), "|"); deleting == "" {
+			nodes = append(nodes, node)
+		}
+	}
+	if len(nodes) != 1 {
+		t.Fatalf("deployment %s has %d running pods not being deleted (%q), want 1", name, len(nodes), out)
+	}
+	return nodes[0]
 }
 
 // reportJoinFigure logs a fresh node's join figure and, when BERTH_BENCH_OUT names a file (make bench),
