@@ -219,6 +219,16 @@ func TestGCPExampleFirstApply(t *testing.T) {
 			}
 		}
 	}
+
+	// The cloud controller manager runs as the control-plane nodes' service account, and opens the firewall
+	// for LoadBalancer Services to the nodes' network tag, its cloud config's node-tags.
+	ccm := e.block("resource", "google_project_iam_member", "cloud_controller_manager").Body
+	if refs := references(ccm, "member"); !slices.Equal(refs, []string{"google_service_account.control_plane.email"}) {
+		t.Errorf("google_project_iam_member.cloud_controller_manager: member is %v, want the control-plane service account", refs)
+	}
+	if refs := references(e.block("resource", "google_compute_instance_template", "node").Body, "tags"); !slices.Equal(refs, []string{"local.cluster_name"}) {
+		t.Errorf("google_compute_instance_template.node: tags %v, want the cluster's node tag", refs)
+	}
 }
 
 // resolved is the references of an attribute's expression with every local.x replaced, recursively, by the

@@ -37,6 +37,35 @@ resource "google_project_iam_member" "join_service" {
   member  = "serviceAccount:${google_service_account.control_plane.email}"
 }
 
+# The GCP cloud controller manager (docs/guides/gcp.md) runs on the control-plane nodes as their service
+# account. Initializing and removing Nodes reads instances and zones; LoadBalancer Services make forwarding
+# rules, target pools, health checks, addresses and firewall rules. None of it may set an instance's metadata.
+resource "google_project_iam_custom_role" "cloud_controller_manager" {
+  project     = var.project
+  role_id     = "berthCloudControllerManager_${local.cluster_name}"
+  title       = "Berth cloud controller manager (${local.cluster_name})"
+  description = "Initialize and remove the cluster's Nodes, and serve its LoadBalancer Services."
+  permissions = [
+    "compute.instances.get", "compute.instances.list", "compute.zones.list", "compute.zones.get",
+    "compute.regions.get", "compute.networks.get", "compute.subnetworks.get",
+    "compute.addresses.create", "compute.addresses.delete", "compute.addresses.get", "compute.addresses.use",
+    "compute.forwardingRules.create", "compute.forwardingRules.delete", "compute.forwardingRules.get",
+    "compute.forwardingRules.list", "compute.forwardingRules.setTarget",
+    "compute.targetPools.create", "compute.targetPools.delete", "compute.targetPools.get",
+    "compute.targetPools.addInstance", "compute.targetPools.removeInstance", "compute.targetPools.use",
+    "compute.httpHealthChecks.create", "compute.httpHealthChecks.delete", "compute.httpHealthChecks.get",
+    "compute.httpHealthChecks.update", "compute.httpHealthChecks.useReadOnly",
+    "compute.firewalls.create", "compute.firewalls.delete", "compute.firewalls.get", "compute.firewalls.update",
+    "compute.networks.updatePolicy", "compute.instances.use",
+  ]
+}
+
+resource "google_project_iam_member" "cloud_controller_manager" {
+  project = var.project
+  role    = google_project_iam_custom_role.cloud_controller_manager.name
+  member  = "serviceAccount:${google_service_account.control_plane.email}"
+}
+
 # No role: a worker's agent reads only the metadata server, which needs no credentials. Grant narrow roles here
 # if workloads need them (logging, an image registry), never compute.instances.setMetadata or any compute.*
 # permission that reads other instances.

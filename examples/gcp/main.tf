@@ -254,6 +254,10 @@ resource "google_compute_instance_template" "node" {
     subnetwork = local.subnetwork
   }
 
+  # The GCP cloud controller manager opens the firewall for a LoadBalancer Service's health checks and
+  # traffic to the instances of this tag (its cloud config's node-tags, docs/guides/gcp.md).
+  tags = ["${local.cluster_name}-node"]
+
   metadata = {
     berth-node-config = each.value.node_config
     # The project's SSH keys give no way onto a node; no firewall rule opens port 22 either.
