@@ -349,8 +349,8 @@ const ccmLog = "cloud-controller-manager"
 func (n *Node) startCloudControllerManager() error {
 	l := n.lab
 	// The override's Service is aws-sdk-go-v2's service id, which it must match exactly ("ec2" is ignored).
-	conf := fmt.Sprintf("[Global]\nZone = %s\n\n[ServiceOverride \"1\"]\nService = EC2\nRegion = %s\nURL = https://%s\nSigningRegion = %s\n",
-		AWSZone, AWSRegion, net.JoinHostPort(hostAddr.String(), strconv.Itoa(ec2Port)), AWSRegion)
+	conf := fmt.Sprintf("[Global]\n\n[ServiceOverride \"1\"]\nService = EC2\nRegion = %s\nURL = https://%s\nSigningRegion = %s\n",
+		AWSRegion, net.JoinHostPort(hostAddr.String(), strconv.Itoa(ec2Port)), AWSRegion)
 	if err := os.WriteFile(n.path("aws/cloud.conf"), []byte(conf), 0o600); err != nil {
 		return err
 	}
@@ -358,9 +358,7 @@ func (n *Node) startCloudControllerManager() error {
 	_, _, err := n.startCmdEnv(ccmLog, n.agentEnv(), l.cfg.AWS.CloudControllerManager,
 		"--cloud-provider=aws", "--cloud-config="+n.path("aws/cloud.conf"),
 		"--kubeconfig="+kubeconfig, "--authentication-kubeconfig="+kubeconfig, "--authorization-kubeconfig="+kubeconfig,
-		"--use-service-account-credentials=false", "--configure-cloud-routes=false", "--leader-elect=true",
-		// The lab's nodes go NotReady after 50 s: a deleted instance's Node goes one check later.
-		"--node-monitor-period=5s", "--v=2")
+		"--use-service-account-credentials=false", "--configure-cloud-routes=false", "--leader-elect=true", "--v=2")
 	if err != nil {
 		return err
 	}
