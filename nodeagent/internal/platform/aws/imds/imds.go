@@ -1,6 +1,6 @@
 // Package imds gives a Berth node on EC2 its view of itself from the instance metadata service, IMDSv2
-// only: its instance id, private DNS name, private address and AMI, and the user-data its launch template
-// carries (berth_node_config's json).
+// only: its instance id, private DNS name, private address, AMI and availability zone (for its kubelet's
+// provider ID), and the user-data its launch template carries (berth_node_config's json).
 //
 // The node trusts IMDS for where to go (the join endpoints, the join CA pin, its cluster's name) and for
 // who to say it is, because nothing else on a fresh instance knows them. Nothing read here grants
