@@ -89,7 +89,7 @@ func awsCCMBinary(t *testing.T) string {
 	return filepath.Join(dir, "aws-cloud-controller-manager")
 }
 
-// Taints and labels of the cloud controller manager.
+// The cloud controller manager's taints.
 const (
 	uninitializedTaint = "node.cloudprovider.kubernetes.io/uninitialized"
 	shutdownTaint      = "node.cloudprovider.kubernetes.io/shutdown"
@@ -170,12 +170,13 @@ func ccmLogOf(t *testing.T, n *Node) string {
 // waitNode waits until the Node name satisfies ok, and returns it.
 func waitNode(ctx context.Context, t *testing.T, l *Lab, name string, timeout time.Duration, what string, ok func(*corev1.Node) bool, diag func() string) *corev1.Node {
 	t.Helper()
-	var node corev1.Node
 	for deadline := time.Now().Add(timeout); ; time.Sleep(2 * time.Second) {
 		out, err := l.Kubectl(ctx, "get", "node", name, "-o", "json")
 		if err != nil {
 			t.Fatalf("kubectl get node %s: %v", name, err)
 		}
+		// A fresh Node each time: decoding into the last one would keep taints that are gone (an absent list).
+		var node corev1.Node
 		if err := json.Unmarshal([]byte(out), &node); err != nil {
 			t.Fatalf("Node %s: %v", name, err)
 		}
