@@ -5,9 +5,8 @@
 //
 // It serves DescribeInstances (filters applied for real, with pagination), DescribeAvailabilityZones,
 // DescribeInstanceTopology and GetInstanceTpmEkPub (what Berth and the AWS cloud controller manager's node
-// controllers call), holds
-// the instances a test puts in it, counts calls per action, and can throttle, deny or hold calls. It is a
-// test harness: no program may import it.
+// controllers call), holds the instances a test puts in it, counts calls per action, and can throttle, deny
+// or hold calls. It is a test harness: no program may import it.
 package ec2test
 
 import (
