@@ -69,13 +69,16 @@ type joinPolicyImage struct {
 	Roles   types.Set    `tfsdk:"roles"`
 	PCRs    types.Map    `tfsdk:"pcrs"`
 	Expires types.String `tfsdk:"expires"`
+	// KubernetesVersion is the Kubernetes release the image carries.
+	KubernetesVersion types.String `tfsdk:"kubernetes_version"`
 }
 
 var imageAttrTypes = map[string]attr.Type{
-	"name":    types.StringType,
-	"roles":   types.SetType{ElemType: types.StringType},
-	"pcrs":    types.MapType{ElemType: types.StringType},
-	"expires": types.StringType,
+	"name":               types.StringType,
+	"roles":              types.SetType{ElemType: types.StringType},
+	"pcrs":               types.MapType{ElemType: types.StringType},
+	"expires":            types.StringType,
+	"kubernetes_version": types.StringType,
 }
 
 var lowerHex64 = regexp.MustCompile(`^[0-9a-f]{64}$`)
@@ -137,6 +140,13 @@ func (r *joinPolicyResource) Schema(_ context.Context, _ resource.SchemaRequest,
 						MarkdownDescription: "SHA-256 PCR values by index (`\"0\"`–`\"23\"`), 64 lowercase hex digits each; for example `data.berth_image.this.pcrs`."},
 					"expires": schema.StringAttribute{Optional: true,
 						MarkdownDescription: "RFC 3339 time in UTC (`2026-12-31T00:00:00Z`) after which the image no longer joins."},
+					"kubernetes_version": schema.StringAttribute{Optional: true,
+						MarkdownDescription: "Kubernetes release the image carries, such as `v1.36.3`: " +
+							"`data.berth_image.<name>.components[\"kubernetes\"]`. Bound to the image's PCRs, it tells the " +
+							"join services a joining node's release, which they hold to the version skew policy: a node " +
+							"newer than an API server waits until the control plane runs its minor; a control-plane node " +
+							"older than the control plane, or a worker more than three minors older, is refused. Unset, " +
+							"nodes of the image are not checked."},
 				}},
 			},
 			"policy_yaml": schema.StringAttribute{Computed: true, MarkdownDescription: "The policy as the join services read it."},
@@ -277,7 +287,14 @@ func (im joinPolicyImage) check(ctx context.Context, i int, names map[string]int
 	if known(im.Expires) {
 		img.Expires = checkExpires(im.Expires.ValueString(), at.AtName("expires"), who, now, diags)
 	}
-	return img, !im.Name.IsUnknown() && !im.Roles.IsUnknown() && !im.PCRs.IsUnknown() && !im.Expires.IsUnknown()
+	if known(im.KubernetesVersion) {
+		img.KubernetesVersion = im.KubernetesVersion.ValueString()
+		if detail := kubernetesVersionError(img.KubernetesVersion); detail != "" {
+			diags.AddAttributeError(at.AtName("kubernetes_version"), "Invalid Kubernetes version", who+": "+detail)
+		}
+	}
+	return img, !im.Name.IsUnknown() && !im.Roles.IsUnknown() && !im.PCRs.IsUnknown() && !im.Expires.IsUnknown() &&
+		!im.KubernetesVersion.IsUnknown()
 }
 
 // checkExpires parses an image's expiry, an RFC 3339 time in UTC; one already past is a warning.
@@ -453,8 +470,13 @@ func imagesValue(p *policy.Policy) (types.List, diag.Diagnostics) {
 		diags.Append(d...)
 		pcrMap, d := types.MapValue(types.StringType, pcrs)
 		diags.Append(d...)
+		version := types.StringNull()
+		if img.KubernetesVersion != "" {
+			version = types.StringValue(img.KubernetesVersion)
+		}
 		obj, d := types.ObjectValue(imageAttrTypes, map[string]attr.Value{
 			"name": types.StringValue(img.Name), "roles": rolesSet, "pcrs": pcrMap, "expires": expires,
+			"kubernetes_version": version,
 		})
 		diags.Append(d...)
 		elems = append(elems, obj)

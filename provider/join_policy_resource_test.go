@@ -81,7 +81,8 @@ func TestJoinPolicyResource(t *testing.T) {
 	}
 	both := `"control-plane", "worker"`
 	imgA := policyImage("berth-2026-11-01", both, "")
-	imgB := policyImage("berth-2026-11-22", `"worker"`, "2027-01-01T00:00:00Z")
+	imgB := strings.Replace(policyImage("berth-2026-11-22", `"worker"`, "2027-01-01T00:00:00Z"), "expires", `kubernetes_version = "v1.36.3"
+    expires`, 1)
 	resource.UnitTest(t, resource.TestCase{
 		ProtoV6ProviderFactories: providers,
 		CheckDestroy: func(*terraform.State) error {
@@ -120,7 +121,8 @@ func TestJoinPolicyResource(t *testing.T) {
 					resource.TestCheckResourceAttr("berth_join_policy.this", "images.#", "2"),
 					func(*terraform.State) error {
 						p := clusterPolicy(t, api)
-						if imageNames(p) != "berth-2026-11-01,berth-2026-11-22" || p.Images[1].Expires == nil || len(p.Images[0].PCRs[9]) != 32 {
+						if imageNames(p) != "berth-2026-11-01,berth-2026-11-22" || p.Images[1].Expires == nil || len(p.Images[0].PCRs[9]) != 32 ||
+							p.Images[0].KubernetesVersion != "" || p.Images[1].KubernetesVersion != "v1.36.3" {
 							return fmt.Errorf("policy in the cluster: %+v", p)
 						}
 						return nil

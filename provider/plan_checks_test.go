@@ -118,6 +118,7 @@ resource "berth_join_policy" "this" {
         "9"  = "ABC"
       }
       expires = "2027-01-01"
+      kubernetes_version = "1.36.3"
     },
     {
       name    = "berth-2025-01-01"
@@ -141,6 +142,7 @@ resource "berth_join_policy" "this" {
 		{"error", "Invalid PCR index", `Image "berth-2026-11-22" (images[0]): PCR index "24" is not a plain decimal number 0-23.`},
 		{"error", "Invalid PCR value", `Image "berth-2026-11-22" (images[0]): PCR 9 must be 64 lowercase hex digits (a SHA-256 value), got "ABC".`},
 		{"error", "Invalid expiry", `Image "berth-2026-11-22" (images[0]): expires is "2027-01-01", which is not an RFC 3339 time in UTC such as 2026-12-31T00:00:00Z.`},
+		{"error", "Invalid Kubernetes version", `Image "berth-2026-11-22" (images[0]): kubernetes_version is "1.36.3": write the release with its "v", "v1.36.3"`},
 		{"warning", "Image already expired", `Image "berth-2025-01-01" (images[1]) expired at 2025-06-30T00:00:00Z: the join services refuse every node of it.`},
 		{"error", "Invalid image name", `images[2].name is "Berth_3": name has 'B' at position 0`},
 		{"error", "No roles", `Image "Berth_3" (images[2]) has no roles: list "control-plane", "worker" or both.`},
@@ -462,9 +464,13 @@ func TestJoinPolicyDiagnosticPaths(t *testing.T) {
 		if expires != "" {
 			exp = types.StringValue(expires)
 		}
+		version := types.StringNull()
+		if name == "berth-a" {
+			version = types.StringValue("v1.36")
+		}
 		return types.ObjectValueMust(imageAttrTypes, map[string]attr.Value{
 			"name": types.StringValue(name), "roles": types.SetValueMust(types.StringType, roleValues),
-			"pcrs": types.MapValueMust(types.StringType, pcrValues), "expires": exp})
+			"pcrs": types.MapValueMust(types.StringType, pcrValues), "expires": exp, "kubernetes_version": version})
 	}
 	m := joinPolicyModel{Images: types.ListValueMust(types.ObjectType{AttrTypes: imageAttrTypes}, []attr.Value{
 		image("berth-a", []string{"worker", "admin"}, map[string]string{"24": pcr0, "9": "ABC"}, "2027-01-01"),
@@ -477,15 +483,17 @@ func TestJoinPolicyDiagnosticPaths(t *testing.T) {
 		t.Errorf("policy() returned a policy despite its errors: %+v", p)
 	}
 	want := map[string]string{
-		"error images[0].roles":     `role "admin" is not`,
-		"error images[0].pcrs":      `PCR index "24"`,
-		`error images[0].pcrs["9"]`: `got "ABC"`,
-		"error images[0].expires":   `expires is "2027-01-01"`,
-		"warning images[1].expires": `Image "berth-old" (images[1]) expired at 2025-06-30T00:00:00Z`,
-		"error images[2].name":      `images[2].name is "Berth_3"`,
-		"error images[2].roles":     `Image "Berth_3" (images[2]) has no roles`,
-		"error images[3].name":      `images[0] and images[3] are both named "berth-a"`,
-		"error images[3].pcrs":      `Image "berth-a" (images[3]) has no pcrs`,
+		"error images[0].roles":              `role "admin" is not`,
+		"error images[0].pcrs":               `PCR index "24"`,
+		`error images[0].pcrs["9"]`:          `got "ABC"`,
+		"error images[0].expires":            `expires is "2027-01-01"`,
+		"error images[0].kubernetes_version": `kubernetes_version is "v1.36", a minor version`,
+		"error images[3].kubernetes_version": `kubernetes_version is "v1.36", a minor version`,
+		"warning images[1].expires":          `Image "berth-old" (images[1]) expired at 2025-06-30T00:00:00Z`,
+		"error images[2].name":               `images[2].name is "Berth_3"`,
+		"error images[2].roles":              `Image "Berth_3" (images[2]) has no roles`,
+		"error images[3].name":               `images[0] and images[3] are both named "berth-a"`,
+		"error images[3].pcrs":               `Image "berth-a" (images[3]) has no pcrs`,
 	}
 	got := map[string]string{}
 	for _, d := range diags {

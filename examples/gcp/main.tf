@@ -368,6 +368,8 @@ resource "berth_join_policy" "prod" {
     name  = var.image
     roles = ["control-plane", "worker"]
     pcrs  = data.berth_image.node.pcrs
+    # The join services hold nodes of this image to the version skew policy.
+    kubernetes_version = data.berth_image.node.components["kubernetes"]
   }]
 }
 

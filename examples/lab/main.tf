@@ -178,6 +178,8 @@ resource "berth_join_policy" "lab" {
     name  = image.name
     roles = ["control-plane", "worker"]
     pcrs  = image.pcrs
+    # The join services hold nodes of this image to the version skew policy.
+    kubernetes_version = image.components["kubernetes"]
   } if contains(var.allowed_images, image.name)]
 }
 

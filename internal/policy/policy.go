@@ -22,6 +22,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 )
 
@@ -48,6 +49,10 @@ type Image struct {
 	PCRs map[int][]byte
 	// Expires, if set, is the instant after which the image no longer joins.
 	Expires *time.Time
+	// KubernetesVersion, if set, is the Kubernetes release the image carries (its manifest's
+	// components.kubernetes). It is bound to the PCRs, so the join service learns a node's version from its
+	// attestation and can hold back a node newer than the control plane.
+	KubernetesVersion string
 }
 
 // document is the serialized form. Images is a pointer so that a document
@@ -58,10 +63,11 @@ type document struct {
 }
 
 type imageDoc struct {
-	Name    string            `json:"name"`
-	Roles   []metadata.Role   `json:"roles"`
-	PCRs    map[string]string `json:"pcrs"`
-	Expires *string           `json:"expires,omitempty"`
+	Name              string            `json:"name"`
+	Roles             []metadata.Role   `json:"roles"`
+	PCRs              map[string]string `json:"pcrs"`
+	Expires           *string           `json:"expires,omitempty"`
+	KubernetesVersion string            `json:"kubernetesVersion,omitempty"`
 }
 
 // Parse reads a policy in YAML or JSON and validates it. Unknown fields are
@@ -95,7 +101,7 @@ func Parse(data []byte) (*Policy, error) {
 }
 
 func (d imageDoc) image() (Image, error) {
-	img := Image{Name: d.Name, Roles: d.Roles, PCRs: make(map[int][]byte, len(d.PCRs))}
+	img := Image{Name: d.Name, Roles: d.Roles, PCRs: make(map[int][]byte, len(d.PCRs)), KubernetesVersion: d.KubernetesVersion}
 	for _, key := range slices.Sorted(maps.Keys(d.PCRs)) {
 		value := d.PCRs[key]
 		idx, err := strconv.Atoi(key)
@@ -176,6 +182,9 @@ func (img Image) validate() error {
 	if len(img.PCRs) == 0 {
 		return errors.New("pcrs is empty: an image without measurements would let anything join")
 	}
+	if img.KubernetesVersion != "" && !kubeadm.IsRelease(img.KubernetesVersion) {
+		return fmt.Errorf("kubernetesVersion %q is not a Kubernetes release such as v1.36.3", img.KubernetesVersion)
+	}
 	for _, idx := range slices.Sorted(maps.Keys(img.PCRs)) {
 		v := img.PCRs[idx]
 		if idx < 0 || idx > MaxPCRIndex {
@@ -196,7 +205,8 @@ func (p *Policy) Marshal() ([]byte, error) {
 	}
 	images := make([]imageDoc, 0, len(p.Images))
 	for _, img := range p.Images {
-		d := imageDoc{Name: img.Name, Roles: img.Roles, PCRs: make(map[string]string, len(img.PCRs))}
+		d := imageDoc{Name: img.Name, Roles: img.Roles, PCRs: make(map[string]string, len(img.PCRs)),
+			KubernetesVersion: img.KubernetesVersion}
 		for idx, v := range img.PCRs {
 			d.PCRs[strconv.Itoa(idx)] = hex.EncodeToString(v)
 		}
@@ -247,19 +257,20 @@ func (p *Policy) ForRole(role metadata.Role, now time.Time) *Policy {
 	return out
 }
 
-// Check returns the name of an image that is allowed for role, whose every
-// PCR equals the quoted value and that has not expired at now. Otherwise it
-// returns a *MismatchError about the closest image: one allowed for the role
-// if there is any, and among those the one with the most matching PCRs.
-func (p *Policy) Check(role metadata.Role, pcrs map[int][]byte, now time.Time) (string, error) {
+// Check returns an image that is allowed for role, whose every PCR equals
+// the quoted value and that has not expired at now; the caller must not
+// change it. Otherwise it returns a *MismatchError about the closest image:
+// one allowed for the role if there is any, and among those the one with the
+// most matching PCRs.
+func (p *Policy) Check(role metadata.Role, pcrs map[int][]byte, now time.Time) (Image, error) {
 	if p == nil || len(p.Images) == 0 {
-		return "", &MismatchError{Role: role, PCR: -1, NoImages: true}
+		return Image{}, &MismatchError{Role: role, PCR: -1, NoImages: true}
 	}
 	var best *candidate
 	for i := range p.Images {
 		c := evaluate(&p.Images[i], role, pcrs, now)
 		if c.roleAllowed && !c.expired && c.mismatch < 0 {
-			return c.img.Name, nil
+			return *c.img, nil
 		}
 		if best == nil || c.closerThan(best) {
 			best = &c
@@ -274,7 +285,7 @@ func (p *Policy) Check(role metadata.Role, pcrs map[int][]byte, now time.Time) (
 		t := *best.img.Expires
 		e.Expired = &t
 	}
-	return "", e
+	return Image{}, e
 }
 
 type candidate struct {

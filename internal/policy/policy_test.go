@@ -64,12 +64,13 @@ func TestParseAccepts(t *testing.T) {
 			}}},
 		},
 		{
-			name:  "json",
-			input: `{"images":[{"name":"cp","roles":["control-plane"],"pcrs":{"0":"` + hx("0") + `","23":"` + hx("23") + `"}}]}`,
+			name:  "json with a Kubernetes version",
+			input: `{"images":[{"name":"cp","roles":["control-plane"],"pcrs":{"0":"` + hx("0") + `","23":"` + hx("23") + `"},"kubernetesVersion":"v1.36.3"}]}`,
 			want: &Policy{Images: []Image{{
-				Name:  "cp",
-				Roles: []metadata.Role{metadata.RoleControlPlane},
-				PCRs:  map[int][]byte{0: pcr("0"), 23: pcr("23")},
+				Name:              "cp",
+				Roles:             []metadata.Role{metadata.RoleControlPlane},
+				PCRs:              map[int][]byte{0: pcr("0"), 23: pcr("23")},
+				KubernetesVersion: "v1.36.3",
 			}}},
 		},
 		{name: "explicit empty list", input: "images: []\n", want: &Policy{Images: []Image{}}},
@@ -129,6 +130,8 @@ func TestParseRefuses(t *testing.T) {
 		{name: "pcr value not hex", input: "images:\n" + image("a", "[worker]", `{"4": "`+strings.Repeat("zz", 32)+`"}`, ""), wantErr: "PCR 4: value is not hex"},
 		{name: "expires date only", input: "images:\n" + image("a", "[worker]", goodPCRs, "  expires: \"2026-12-31\"\n"), wantErr: `expires "2026-12-31" is not an RFC 3339 time`},
 		{name: "expires empty", input: "images:\n" + image("a", "[worker]", goodPCRs, "  expires: \"\"\n"), wantErr: `expires "" is not an RFC 3339 time`},
+		{name: "kubernetes version without v", input: "images:\n" + image("a", "[worker]", goodPCRs, "  kubernetesVersion: 1.36.3\n"), wantErr: `kubernetesVersion "1.36.3" is not a Kubernetes release`},
+		{name: "kubernetes minor only", input: "images:\n" + image("a", "[worker]", goodPCRs, "  kubernetesVersion: v1.36\n"), wantErr: `kubernetesVersion "v1.36" is not a Kubernetes release`},
 		{name: "error names the image", input: "images:\n" + image("good", "[worker]", goodPCRs, "") + image("bad", "[worker]", "{}", ""), wantErr: `image 1 ("bad"): pcrs is empty`},
 	}
 	for _, tt := range tests {
@@ -148,7 +151,7 @@ func TestMarshalRoundTrip(t *testing.T) {
 	expires := time.Date(2027, 1, 2, 3, 4, 5, 600, time.FixedZone("x", 3600))
 	p := &Policy{Images: []Image{
 		{Name: "a", Roles: []metadata.Role{metadata.RoleWorker, metadata.RoleControlPlane}, PCRs: map[int][]byte{4: pcr("4"), 11: pcr("11"), 9: pcr("9")}, Expires: &expires},
-		{Name: "b", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{0: pcr("0")}},
+		{Name: "b", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{0: pcr("0")}, KubernetesVersion: "v1.37.0-rc.1"},
 	}}
 	out, err := p.Marshal()
 	if err != nil {
@@ -219,7 +222,7 @@ func TestCheck(t *testing.T) {
 	before, after := expiry.Add(-time.Hour), expiry.Add(time.Second)
 	both := []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker}
 	full := &Policy{Images: []Image{
-		{Name: "berth-1", Roles: both, PCRs: map[int][]byte{4: pcr("a4"), 9: pcr("a9"), 11: pcr("a11")}},
+		{Name: "berth-1", Roles: both, PCRs: map[int][]byte{4: pcr("a4"), 9: pcr("a9"), 11: pcr("a11")}, KubernetesVersion: "v1.36.3"},
 		{Name: "berth-2", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: map[int][]byte{4: pcr("b4"), 9: pcr("b9"), 11: pcr("b11")}, Expires: &expiry},
 		{Name: "cp-only", Roles: []metadata.Role{metadata.RoleControlPlane}, PCRs: map[int][]byte{4: pcr("c4"), 9: pcr("c9")}},
 	}}
@@ -309,18 +312,22 @@ func TestCheck(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			name, err := tt.policy.Check(tt.role, tt.quote, tt.now)
+			img, err := tt.policy.Check(tt.role, tt.quote, tt.now)
 			if tt.want == nil {
 				if err != nil {
 					t.Fatalf("Check: %v", err)
 				}
-				if name != tt.wantImage {
-					t.Fatalf("Check = %q, want %q", name, tt.wantImage)
+				if img.Name != tt.wantImage {
+					t.Fatalf("Check = %q, want %q", img.Name, tt.wantImage)
+				}
+				i := slices.IndexFunc(tt.policy.Images, func(im Image) bool { return im.Name == img.Name })
+				if !reflect.DeepEqual(img, tt.policy.Images[i]) {
+					t.Fatalf("Check = %s, not the policy's image %s", dump(&Policy{Images: []Image{img}}), dump(&Policy{Images: tt.policy.Images[i : i+1]}))
 				}
 				return
 			}
-			if name != "" {
-				t.Errorf("Check returned image %q with an error", name)
+			if img.Name != "" {
+				t.Errorf("Check returned image %q with an error", img.Name)
 			}
 			var got *MismatchError
 			if !errors.As(err, &got) {
@@ -364,7 +371,7 @@ func equalPolicies(a, b *Policy) bool {
 	}
 	for i := range a.Images {
 		x, y := a.Images[i], b.Images[i]
-		if x.Name != y.Name || !reflect.DeepEqual(x.Roles, y.Roles) || len(x.PCRs) != len(y.PCRs) {
+		if x.Name != y.Name || !reflect.DeepEqual(x.Roles, y.Roles) || len(x.PCRs) != len(y.PCRs) || x.KubernetesVersion != y.KubernetesVersion {
 			return false
 		}
 		for idx, v := range x.PCRs {

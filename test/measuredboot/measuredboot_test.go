@@ -83,8 +83,8 @@ func TestPredictionMatchesBoot(t *testing.T) {
 
 	img := policy.Image{Name: "berth-measured", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: predictions["base"].Values()}
 	pol := &policy.Policy{Images: []policy.Image{img}}
-	if name, err := pol.Check(metadata.RoleWorker, measured["base"], time.Now()); err != nil || name != img.Name {
-		t.Errorf("the policy of the prediction refuses the boot it predicted: %q, %v", name, err)
+	if got, err := pol.Check(metadata.RoleWorker, measured["base"], time.Now()); err != nil || got.Name != img.Name {
+		t.Errorf("the policy of the prediction refuses the boot it predicted: %q, %v", got.Name, err)
 	}
 	_, err = pol.Check(metadata.RoleWorker, measured["changed"], time.Now())
 	var mismatch *policy.MismatchError

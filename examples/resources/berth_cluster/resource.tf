@@ -72,6 +72,8 @@ resource "berth_join_policy" "this" {
     name  = data.berth_image.current.name
     roles = ["control-plane", "worker"]
     pcrs  = data.berth_image.current.pcrs
+    # The join services hold nodes of this image to the version skew policy.
+    kubernetes_version = data.berth_image.current.components["kubernetes"]
   }]
 }
 

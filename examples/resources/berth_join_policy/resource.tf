@@ -19,6 +19,8 @@ resource "berth_join_policy" "this" {
       name  = "berth-2026-11-22"
       roles = ["control-plane", "worker"]
       pcrs  = data.berth_image.current.pcrs
+      # Nodes of a newer Kubernetes minor than the control plane wait until it runs theirs.
+      kubernetes_version = data.berth_image.current.components["kubernetes"]
     },
     {
       name    = "berth-2026-11-01"

@@ -177,9 +177,11 @@ func run(st stream, cfg Config, secrets *clustersecrets.Secrets) (*Node, error) 
 	for i, v := range ev.Evidence.Pcrs {
 		quoted[int(i)] = v
 	}
-	if node.Image, err = cfg.Policy.Check(metadata.Role(ev.Role), quoted, cfg.Clock()); err != nil {
+	image, err := cfg.Policy.Check(metadata.Role(ev.Role), quoted, cfg.Clock())
+	if err != nil {
 		return node, fmt.Errorf("the node does not run an allowed image; nothing was sent to it: %w", err)
 	}
+	node.Image = image.Name
 	if err := send(st, &berthv1.RecoveryClientMessage{Msg: &berthv1.RecoveryClientMessage_Challenge{Challenge: pending.Challenge}}); err != nil {
 		return node, fmt.Errorf("sending activation challenge: %w", err)
 	}
