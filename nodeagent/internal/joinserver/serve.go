@@ -105,6 +105,9 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 	}
 	if s.BootstrapTokens {
 		cfg.Tokens = &joinservice.KubeTokens{Client: s.Kube, Records: records}
+		// A kubeadm control plane runs its API servers as static pods this service's credentials can list;
+		// beside an external control plane, the configured version stands for them.
+		cfg.APIServers = &joinservice.KubeAPIServers{Client: s.Kube}
 	}
 	disks := &joinservice.KubeDisks{Client: s.Kube, Records: records}
 	cfg.Disks = disks

@@ -96,23 +96,26 @@ var Calls = []string{CallJoin, CallRejoin, CallRenew}
 
 // Reasons the service refuses a node, as Metrics counts them.
 const (
-	RefusedConnection   = "connection"   // the connection carries no TLS exporter to bind a quote to
-	RefusedRequest      = "request"      // the first message is not the call's request, or is malformed
-	RefusedDiskID       = "disk_id"      // the disk id is not a UUID
-	RefusedNoInstance   = "no_instance"  // no instance record at the connecting address
-	RefusedAddress      = "address"      // the node names another instance than its address's
-	RefusedRole         = "role"         // the node's role is not its record's, or not one this service joins
-	RefusedAttestation  = "attestation"  // the quote, EK or credential activation failed
-	RefusedMeasurements = "measurements" // the policy allows no image with these PCRs for the role
-	RefusedCSR          = "csr"          // the kubelet CSR does not name the instance
-	RefusedDiskOwner    = "disk_owner"   // the disk is keyed to another TPM
-	RefusedDiskUnknown  = "disk_unknown" // a rejoin or renewal for a disk that never joined
-	RefusedMethod       = "method"       // a renewal where kubelets rotate through the API server
+	RefusedConnection   = "connection"         // the connection carries no TLS exporter to bind a quote to
+	RefusedRequest      = "request"            // the first message is not the call's request, or is malformed
+	RefusedDiskID       = "disk_id"            // the disk id is not a UUID
+	RefusedNoInstance   = "no_instance"        // no instance record at the connecting address
+	RefusedAddress      = "address"            // the node names another instance than its address's
+	RefusedRole         = "role"               // the node's role is not its record's, or not one this service joins
+	RefusedAttestation  = "attestation"        // the quote, EK or credential activation failed
+	RefusedMeasurements = "measurements"       // the policy allows no image with these PCRs for the role
+	RefusedCSR          = "csr"                // the kubelet CSR does not name the instance
+	RefusedDiskOwner    = "disk_owner"         // the disk is keyed to another TPM
+	RefusedDiskUnknown  = "disk_unknown"       // a rejoin or renewal for a disk that never joined
+	RefusedMethod       = "method"             // a renewal where kubelets rotate through the API server
+	RefusedHeldBack     = "held_back"          // the image's Kubernetes is newer than an API server: the node waits
+	RefusedVersion      = "kubernetes_version" // the version skew policy does not let the image's Kubernetes join
 )
 
 // RefusalReasons are every reason the service refuses a node.
 var RefusalReasons = []string{RefusedConnection, RefusedRequest, RefusedDiskID, RefusedNoInstance, RefusedAddress,
-	RefusedRole, RefusedAttestation, RefusedMeasurements, RefusedCSR, RefusedDiskOwner, RefusedDiskUnknown, RefusedMethod}
+	RefusedRole, RefusedAttestation, RefusedMeasurements, RefusedCSR, RefusedDiskOwner, RefusedDiskUnknown, RefusedMethod,
+	RefusedHeldBack, RefusedVersion}
 
 // Kinds of exchange that end without ticket or refusal, as Metrics counts them.
 const (
@@ -149,7 +152,11 @@ type Config struct {
 	// CFSSL remote signer beside a control plane that keeps its CA key there (CFSSLSigner).
 	KubeletSigner     KubeletSigner
 	APIServerEndpoint string
+	// KubernetesVersion is the release the cluster was set up with; it stands for the API servers' when
+	// APIServers is not set or finds none.
 	KubernetesVersion string
+	// APIServers, if set, tells the releases the API servers run, which a joining node's image must suit.
+	APIServers APIServerVersions
 	// ControlPlaneFiles returns the files a joining control-plane node needs (CA and service-account keys).
 	ControlPlaneFiles func() ([]*berthv1.File, error)
 	// JoinCA, when set, goes with the master secret to joining control-plane nodes, so that they serve
@@ -256,10 +263,12 @@ func New(cfg Config) (*Server, error) {
 type exchange struct {
 	instance *metadata.Instance
 	image    string
-	ek       string
-	disk     keys.Label
-	diskUUID string
-	log      *slog.Logger
+	// kubernetesVersion is the release the matched policy image carries; empty when the policy does not say.
+	kubernetesVersion string
+	ek                string
+	disk              keys.Label
+	diskUUID          string
+	log               *slog.Logger
 	// release frees the worker the exchange holds from its activation proof on; the call's handler
 	// releases it when it returns.
 	release func()
@@ -304,6 +313,9 @@ func (s *Server) IssueJoinTicket(st berthv1.JoinService_IssueJoinTicketServer) (
 	if s.cfg.Method == berthv1.JoinMethod_JOIN_METHOD_KUBELET && ex.instance.Role != metadata.RoleWorker {
 		return s.refuse(ex.log, RefusedRole, codes.PermissionDenied, "role refused",
 			fmt.Errorf("this join service joins workers to an external control plane; the instance record says %q", ex.instance.Role))
+	}
+	if err := s.checkVersion(ctx, ex); err != nil {
+		return err
 	}
 	switch err := s.cfg.Disks.Claim(ctx, ex.diskUUID, ex.ek, ex.instance); {
 	case errors.Is(err, ErrDiskOwnedByOther):
@@ -510,8 +522,8 @@ func (s *Server) attest(ctx context.Context, st stream, first func(*berthv1.Join
 	if err != nil {
 		return nil, s.refuse(log, RefusedMeasurements, codes.PermissionDenied, "measurements refused", err)
 	}
-	return &exchange{instance: inst, image: image, ek: result.EKFingerprint, disk: disk, diskUUID: c.diskUUID,
-		log: log.With("image", image, "disk", c.diskUUID), release: release}, nil
+	return &exchange{instance: inst, image: image.Name, kubernetesVersion: image.KubernetesVersion, ek: result.EKFingerprint,
+		disk: disk, diskUUID: c.diskUUID, log: log.With("image", image.Name, "disk", c.diskUUID), release: release}, nil
 }
 
 func (s *Server) joinTicket(ctx context.Context, ex *exchange, csr *x509.CertificateRequest) (*berthv1.JoinTicket, error) {

@@ -68,7 +68,7 @@ func WithKubernetesCA(ca *pki.CA) Option {
 // with these kubelet settings, and no bootstrap tokens.
 func WithoutKubeadm(settings *berthv1.KubeletSettings) Option {
 	return func(c *joinservice.Config) {
-		c.Method, c.Kubelet, c.Tokens = berthv1.JoinMethod_JOIN_METHOD_KUBELET, settings, nil
+		c.Method, c.Kubelet, c.Tokens, c.APIServers = berthv1.JoinMethod_JOIN_METHOD_KUBELET, settings, nil, nil
 	}
 }
 
@@ -98,6 +98,8 @@ func New(t testing.TB, opts ...Option) *Lab {
 		KubernetesCA:      l.KubeCA,
 		APIServerEndpoint: "127.0.0.1:6443",
 		KubernetesVersion: repotest.KubernetesVersion,
+		// As on a control-plane node: the API servers' releases from their pods, none until a test makes some.
+		APIServers: &joinservice.KubeAPIServers{Client: l.Kube},
 		ControlPlaneFiles: func() ([]*berthv1.File, error) {
 			return []*berthv1.File{{Path: "ca.key", Content: []byte("lab CA key"), Mode: 0o600}}, nil
 		},

@@ -1,0 +1,127 @@
+package joinlab
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/berthlabs/berth/internal/diskrecord"
+	"github.com/berthlabs/berth/internal/metadata"
+	"github.com/berthlabs/berth/internal/policy"
+	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
+	"github.com/berthlabs/berth/test/clustertest"
+)
+
+// TestJoinWaitsForControlPlaneVersion: the join service learns a node's Kubernetes release from the policy
+// image its quote matched. A worker of a release newer than one of the API servers is held back, and keeps
+// its disk unclaimed, until that API server runs the release too; then the same join goes through. A
+// control-plane node of a release older than the control plane's is refused, saying why.
+func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
+	lab := New(t)
+	pcrs := clustertest.ZeroPolicy("x", metadata.RoleWorker).Images[0].PCRs
+	lab.Policy.Set(&policy.Policy{Images: []policy.Image{
+		{Name: "old-control-plane", Roles: []metadata.Role{metadata.RoleControlPlane}, PCRs: pcrs, KubernetesVersion: "v1.35.4"},
+		{Name: "new", Roles: []metadata.Role{metadata.RoleWorker}, PCRs: pcrs, KubernetesVersion: "v1.36.3"},
+	}})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pods := lab.Kube.CoreV1().Pods(metav1.NamespaceSystem)
+	apiServer := func(node, release string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "kube-apiserver-" + node, Namespace: metav1.NamespaceSystem,
+				Labels: map[string]string{"component": "kube-apiserver", "tier": "control-plane"}},
+			Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "kube-apiserver", Image: "registry.k8s.io/kube-apiserver:" + release}}},
+		}
+	}
+	// Halfway through an upgrade: one API server at the new release, one still at the old.
+	for _, p := range []*corev1.Pod{apiServer("cp-0", "v1.35.4"), apiServer("cp-1", "v1.36.3")} {
+		if _, err := pods.Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	worker := lab.AddNode("worker-1", metadata.RoleWorker)
+	prepared, err := worker.Disk.Prepare(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeadm := &Kubeadm{}
+	type result struct {
+		state *nodestate.State
+		err   error
+	}
+	joined := make(chan result, 1)
+	go func() {
+		st, err := lab.JoinClient(worker, kubeadm, &nodestate.Lock{}).Join(ctx, prepared)
+		joined <- result{st, err}
+	}()
+	const why = `image \"new\" carries Kubernetes v1.36.3 and the control plane runs v1.35.4: waiting for the control plane to reach v1.36`
+	waitFor(t, ctx, "the service to hold the worker back", func() bool { return strings.Count(lab.Logs.String(), why) >= 4 })
+	select {
+	case r := <-joined:
+		t.Fatalf("the worker joined while an API server ran v1.35.4: %+v, %v", r.state, r.err)
+	default:
+	}
+	if logs := lab.Logs.String(); !strings.Contains(logs, "held back") || !strings.Contains(logs, "agent=worker-1") {
+		t.Error(lab.Logs.Logf("neither the service nor the agent logs the wait"))
+	}
+	cms, err := lab.Kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cm := range cms.Items {
+		if strings.HasPrefix(cm.Name, diskrecord.Prefix) {
+			t.Errorf("a held-back node's disk was claimed: %s", cm.Name)
+		}
+	}
+	if len(kubeadm.Joins) != 0 {
+		t.Errorf("kubeadm join ran %d times for a held-back node", len(kubeadm.Joins))
+	}
+
+	if _, err := pods.Update(ctx, apiServer("cp-0", "v1.36.3"), metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r := <-joined
+	if r.err != nil {
+		t.Fatal(lab.Logs.Logf("the join once the control plane ran v1.36.3: %v", r.err))
+	}
+	if r.state.NodeName != "worker-1" || len(kubeadm.Joins) != 1 {
+		t.Errorf("after the wait: node state %+v, %d kubeadm joins", r.state, len(kubeadm.Joins))
+	}
+	if !opensWith(t, worker.Volume.Path(), lab.DiskKey(prepared.UUID)) {
+		t.Error("the state disk does not open with its derived key")
+	}
+
+	cp := lab.AddNode("cp-2", metadata.RoleControlPlane)
+	cpPrepared, err := cp.Disk.Prepare(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpCtx, cpCancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cpCancel()
+	if _, err := lab.JoinClient(cp, kubeadm, &nodestate.Lock{}).Join(cpCtx, cpPrepared); err == nil {
+		t.Fatal("a control-plane node of v1.35.4 joined a control plane at v1.36.3")
+	}
+	if !strings.Contains(lab.Logs.String(), `control-plane image \"old-control-plane\" carries Kubernetes v1.35.4 and the control plane runs v1.36.3`) {
+		t.Error(lab.Logs.Logf("the refusal does not say why"))
+	}
+	if !opensWith(t, cp.Volume.Path(), cpPrepared.InitialKey) {
+		t.Error("the refused node's disk lost its initial key")
+	}
+}
+
+// waitFor polls cond until it holds, failing the test when ctx ends first.
+func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v", what, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
