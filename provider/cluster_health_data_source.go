@@ -24,6 +24,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/backoff"
 	"github.com/berthlabs/berth/internal/diskrecord"
+	"github.com/berthlabs/berth/internal/kubeadm"
 )
 
 const (
@@ -69,6 +70,9 @@ type clusterHealthModel struct {
 	Timeout                types.String `tfsdk:"timeout"`
 	ReadyControlPlaneNodes types.List   `tfsdk:"ready_control_plane_nodes"`
 	ReadyWorkerNodes       types.List   `tfsdk:"ready_worker_nodes"`
+	KubernetesVersion      types.String `tfsdk:"kubernetes_version"`
+	APIServerVersions      types.Map    `tfsdk:"api_server_versions"`
+	KubeletVersions        types.Map    `tfsdk:"kubelet_versions"`
 }
 
 func (d *clusterHealthDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
@@ -105,7 +109,11 @@ func (d *clusterHealthDataSource) Schema(_ context.Context, _ datasource.SchemaR
 			"server refuses, one of another cluster, no right to list nodes) fail at once rather than after " +
 			"the timeout.\n\n" +
 			"A control-plane node is a node with the label `" + controlPlaneLabel + "` (kubeadm sets it); " +
-			"every other node is a worker. With no node argument, it waits for the API server alone.",
+			"every other node is a worker. With no node argument, it waits for the API server alone.\n\n" +
+			"Once the cluster is healthy it reports the Kubernetes versions: the cluster's (kubeadm's " +
+			"ClusterConfiguration), each API server's and each kubelet's, which show how far an upgrade or an " +
+			"image roll has come. Credentials that may not list pods in `kube-system` or read " +
+			"`kube-system/kubeadm-config` get a warning and null versions instead.",
 		Attributes: map[string]schema.Attribute{
 			"nodes": count("At least this many nodes, of any role, must be `Ready`."),
 			"control_plane_nodes": count("At least this many control-plane nodes must be `Ready`, such as the size " +
@@ -133,6 +141,25 @@ func (d *clusterHealthDataSource) Schema(_ context.Context, _ datasource.SchemaR
 				Computed:            true,
 				ElementType:         types.StringType,
 				MarkdownDescription: "Names of the `Ready` workers when the wait ended, sorted.",
+			},
+			"kubernetes_version": schema.StringAttribute{
+				Computed: true,
+				MarkdownDescription: "The cluster's Kubernetes release as kubeadm records it (`kubernetesVersion` of " +
+					"the ClusterConfiguration in `kube-system/kubeadm-config`): the one `kubeadm init` deployed, raised " +
+					"by each `kubeadm upgrade apply`, and the one a joining control-plane node runs. Null for a cluster " +
+					"kubeadm did not make.",
+			},
+			"api_server_versions": schema.MapAttribute{
+				Computed:    true,
+				ElementType: types.StringType,
+				MarkdownDescription: "Release of each API server, by control-plane node: the tag of its `kube-apiserver` " +
+					"image, which kubeadm tags with the release. During an upgrade the control-plane nodes differ " +
+					"by one minor at most.",
+			},
+			"kubelet_versions": schema.MapAttribute{
+				Computed:            true,
+				ElementType:         types.StringType,
+				MarkdownDescription: "Release of each node's kubelet, by node, as the node reports it.",
 			},
 		},
 	}
@@ -239,6 +266,8 @@ type nodeHealth struct {
 	ready        bool
 	// why tells, for a node that is not Ready, what its conditions say.
 	why string
+	// kubelet is the release its kubelet reports.
+	kubelet string
 }
 
 // healthReport is one look at the cluster.
@@ -322,7 +351,8 @@ func look(ctx context.Context, kube kubernetes.Interface) (*healthReport, error)
 	for _, n := range list.Items {
 		_, cp := n.Labels[controlPlaneLabel]
 		ready, why := nodeReady(&n)
-		r.nodes = append(r.nodes, nodeHealth{name: n.Name, controlPlane: cp, ready: ready, why: why})
+		r.nodes = append(r.nodes, nodeHealth{name: n.Name, controlPlane: cp, ready: ready, why: why,
+			kubelet: n.Status.NodeInfo.KubeletVersion})
 	}
 	slices.SortFunc(r.nodes, func(a, b nodeHealth) int { return strings.Compare(a.name, b.name) })
 	return r, nil
@@ -480,10 +510,48 @@ func (d *clusterHealthDataSource) Read(ctx context.Context, req datasource.ReadR
 	resp.Diagnostics.Append(diags...)
 	m.ReadyWorkerNodes, diags = types.ListValueFrom(ctx, types.StringType, nonNilStrings(report.ready(false)))
 	resp.Diagnostics.Append(diags...)
+	kubelets := map[string]string{}
+	for _, n := range report.nodes {
+		if n.kubelet != "" {
+			kubelets[n.name] = n.kubelet
+		}
+	}
+	m.KubeletVersions, diags = types.MapValueFrom(ctx, types.StringType, kubelets)
+	resp.Diagnostics.Append(diags...)
+	m.KubernetesVersion, m.APIServerVersions = types.StringNull(), types.MapNull(types.StringType)
+	release, apiServers, err := readVersions(ctx, d.kube)
+	if err != nil {
+		resp.Diagnostics.AddWarning("The control plane's versions were not read",
+			"berth_cluster_health found the cluster healthy but could not read its Kubernetes versions, so "+
+				"kubernetes_version and api_server_versions are null: "+err.Error()+".")
+	} else {
+		if release != "" {
+			m.KubernetesVersion = types.StringValue(release)
+		}
+		m.APIServerVersions, diags = types.MapValueFrom(ctx, types.StringType, apiServers)
+		resp.Diagnostics.Append(diags...)
+		tflog.Info(ctx, "Kubernetes versions", map[string]any{"cluster": release, "api_servers": apiServers, "kubelets": kubelets})
+	}
 	if resp.Diagnostics.HasError() {
 		return
 	}
 	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+// readVersions reads the cluster's release from kubeadm's configuration ("" when kubeadm did not make it)
+// and each API server's.
+func readVersions(ctx context.Context, kube kubernetes.Interface) (string, map[string]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, healthLookTimeout)
+	defer cancel()
+	release, _, err := kubeadm.ClusterRelease(ctx, kube)
+	if err != nil {
+		return "", nil, err
+	}
+	apiServers, err := kubeadm.APIServerReleases(ctx, kube)
+	if err != nil {
+		return "", nil, err
+	}
+	return release, apiServers, nil
 }
 
 // nonNilStrings makes an empty list of none, so that an output reads [] rather than null.

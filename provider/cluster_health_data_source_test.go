@@ -235,6 +235,9 @@ func putNode(kube kubernetes.Interface, name string, controlPlane bool, ready co
 		return fmt.Errorf("registering node %s: %w", name, err)
 	}
 	now := metav1.Now()
+	if node.Status.NodeInfo.KubeletVersion == "" {
+		node.Status.NodeInfo.KubeletVersion = "v1.36.3"
+	}
 	node.Status.Conditions = []corev1.NodeCondition{
 		{Type: corev1.NodeReady, Status: ready, Reason: reason, Message: message, LastHeartbeatTime: now, LastTransitionTime: now},
 		{Type: corev1.NodeMemoryPressure, Status: corev1.ConditionFalse, Reason: "KubeletHasSufficientMemory", LastHeartbeatTime: now, LastTransitionTime: now},
@@ -243,6 +246,43 @@ func putNode(kube kubernetes.Interface, name string, controlPlane bool, ready co
 		return fmt.Errorf("reporting the status of node %s: %w", name, err)
 	}
 	return nil
+}
+
+// putVersions makes the cluster look halfway through an upgrade from v1.35.4 to v1.36.3, as kubeadm shows
+// it: kubeadm-config at the target, one API server (on cp-0) upgraded, another (on cp-1, a node that does
+// not report) not yet, and worker-0's kubelet still at v1.35.4.
+func putVersions(t *testing.T, kube kubernetes.Interface) {
+	t.Helper()
+	ctx := context.Background()
+	ns := metav1.NamespaceSystem
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "kubeadm-config", Namespace: ns},
+		Data: map[string]string{"ClusterConfiguration": "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: v1.36.3\n"}}
+	if _, err := kube.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The API server admits a pod only with its service account, which no controller manager makes here.
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default", Namespace: ns}}
+	if _, err := kube.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for node, release := range map[string]string{"cp-0": "v1.36.3", "cp-1": "v1.35.4"} {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "kube-apiserver-" + node, Namespace: ns,
+				Labels: map[string]string{"component": "kube-apiserver", "tier": "control-plane"}},
+			Spec: corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "kube-apiserver", Image: "registry.k8s.io/kube-apiserver:" + release}}},
+		}
+		if _, err := kube.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	node, err := kube.CoreV1().Nodes().Get(ctx, "worker-0", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.NodeInfo.KubeletVersion = "v1.35.4"
+	if _, err := kube.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // putReadyNodes registers nodes that are Ready.
@@ -453,6 +493,7 @@ data "berth_cluster_health" "this" {
 			// worker-1 becomes Ready while the data source waits.
 			{
 				PreConfig: func() {
+					putVersions(t, kube)
 					started = time.Now()
 					go func() {
 						time.Sleep(3 * time.Second)
@@ -472,6 +513,13 @@ data "berth_cluster_health" "this" {
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "ready_worker_nodes.#", "2"),
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "ready_worker_nodes.0", "worker-0"),
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "ready_worker_nodes.1", "worker-1"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubernetes_version", "v1.36.3"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "api_server_versions.%", "2"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "api_server_versions.cp-0", "v1.36.3"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "api_server_versions.cp-1", "v1.35.4"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.%", "3"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.cp-0", "v1.36.3"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.worker-0", "v1.35.4"),
 					func(*terraform.State) error {
 						if waited := time.Since(started); waited < 3*time.Second {
 							return fmt.Errorf("the step took %s: it did not wait for worker-1", waited)
