@@ -159,7 +159,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Required: true,
 				MarkdownDescription: "Kubernetes release kubeadm initializes, with its `v`, such as `v1.36.3`: the one " +
 					"baked into the image (`data.berth_image` `components.kubernetes`). Kubernetes upgrades are not " +
-					"supported yet: a change is refused once the cluster exists.",
+					"supported yet: a change is refused once the cluster exists, naming the rule of the version skew " +
+					"policy when the step is one no upgrade could take (a downgrade, a skipped minor).",
 			},
 			"control_plane_endpoint": schema.StringAttribute{
 				Optional: true,
@@ -380,10 +381,18 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
 			"for init at endpoint."
 		switch now.name {
 		case "kubernetes_version":
+			from, to := old.ValueString(), now.v.ValueString()
+			if _, err := kubeadm.UpgradeStep(from, to); err != nil {
+				diags.AddAttributeError(path.Root(now.name), "Kubernetes version change not allowed",
+					fmt.Sprintf("%s runs Kubernetes %s; kubernetes_version is now %s: %v. Keep kubernetes_version = %s.",
+						cluster, settingValue(old), settingValue(now.v), err, settingValue(old)))
+				continue
+			}
 			diags.AddAttributeError(path.Root(now.name), "Kubernetes upgrades are not supported yet",
-				fmt.Sprintf("%s runs Kubernetes %s, which kubeadm initialized; kubernetes_version is now %s. Berth cannot "+
-					"upgrade a running cluster yet, and replacing it would drop it, and its admin kubeconfig, from state "+
-					"before a new init failed. Keep kubernetes_version = %s. %s",
+				fmt.Sprintf("%s runs Kubernetes %s, which kubeadm initialized; kubernetes_version is now %s, a step the "+
+					"version skew policy allows, but Berth cannot upgrade a running cluster yet (docs/kubernetes-upgrades.md "+
+					"is the design), and replacing it would drop it, and its admin kubeconfig, from state before a new init "+
+					"failed. Keep kubernetes_version = %s. %s",
 					cluster, settingValue(old), settingValue(now.v), settingValue(old), newCluster))
 		case "kubernetes_ca_certificate", "join_ca_certificate":
 			diags.AddAttributeError(path.Root(now.name), "The cluster's CA cannot change",
@@ -448,7 +457,7 @@ func kubernetesVersionError(v string) string {
 		return fmt.Sprintf("kubernetes_version is %q: write the release with its \"v\", %q, as kubeadm names releases "+
 			"and the image manifest records them (%s).", v, "v"+v, image)
 	case kubernetesMinor.MatchString(v):
-		return fmt.Sprintf("kubernetes_version is %q, a minor version: kubeadm initializes one exact release, "+
+		return fmt.Sprintf("kubernetes_version is %q, a minor version: an image carries one exact release, "+
 			"\"v%s.<patch>\" such as \"v1.36.3\" (%s).", v, strings.TrimPrefix(v, "v"), image)
 	}
 	return fmt.Sprintf("kubernetes_version is %q, which is not a Kubernetes release such as \"v1.36.3\" (%s).", v, image)

@@ -270,7 +270,7 @@ func TestClusterPlanChecksVersionAndSubnets(t *testing.T) {
 		ProtoV6ProviderFactories: providers,
 		Steps: []resource.TestStep{
 			planOnly(version("1.36"), diagnostic("Error: Invalid Kubernetes version", `kubernetes_version is "1.36", a minor version: `+
-				`kubeadm initializes one exact release, "v1.36.<patch>" such as "v1.36.3" (the release baked into the `+
+				`an image carries one exact release, "v1.36.<patch>" such as "v1.36.3" (the release baked into the `+
 				`image, data.berth_image.<name>.components.kubernetes).`)),
 			planOnly(version("1.36.3"), phrase(`kubernetes_version is "1.36.3": write the release with its "v", "v1.36.3"`)),
 			planOnly(version("latest"), phrase(`kubernetes_version is "latest", which is not a Kubernetes release such as "v1.36.3"`)),
@@ -330,10 +330,18 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 				return s
 			}(),
 			refused(strings.Replace(args, `"v1.36.3"`, `"v1.37.0"`, 1), diagnostic("Error: Kubernetes upgrades are not supported yet",
-				`runs Kubernetes "v1.36.3", which kubeadm initialized; kubernetes_version is now "v1.37.0". Berth cannot `+
-					`upgrade a running cluster yet, and replacing it would drop it, and its admin kubeconfig, from state `+
-					`before a new init failed. Keep kubernetes_version = "v1.36.3". For a new cluster with the new value, `+
-					`remove this one from state (terraform state rm`)),
+				`runs Kubernetes "v1.36.3", which kubeadm initialized; kubernetes_version is now "v1.37.0", a step the `+
+					`version skew policy allows, but Berth cannot upgrade a running cluster yet (docs/kubernetes-upgrades.md `+
+					`is the design), and replacing it would drop it, and its admin kubeconfig, from state before a new init `+
+					`failed. Keep kubernetes_version = "v1.36.3". For a new cluster with the new value, remove this one from `+
+					`state (terraform state rm`)),
+			refused(strings.Replace(args, `"v1.36.3"`, `"v1.36.4"`, 1), diagnostic("Error: Kubernetes upgrades are not supported yet",
+				`kubernetes_version is now "v1.36.4", a step the version skew policy allows`)),
+			refused(strings.Replace(args, `"v1.36.3"`, `"v1.38.0"`, 1), diagnostic("Error: Kubernetes version change not allowed",
+				`runs Kubernetes "v1.36.3"; kubernetes_version is now "v1.38.0": v1.36.3 to v1.38.0 skips a minor: kubeadm `+
+					`upgrades one minor at a time, so go to v1.37 first, then to v1.38. Keep kubernetes_version = "v1.36.3".`)),
+			refused(strings.Replace(args, `"v1.36.3"`, `"v1.35.4"`, 1), diagnostic("Error: Kubernetes version change not allowed",
+				`v1.36.3 to v1.35.4 is a downgrade: Kubernetes does not go back to an earlier release`)),
 			refused(args+`  pod_subnet = "10.200.0.0/16"`, diagnostic("Error: Fixed once the cluster exists",
 				`was initialized with pod_subnet = unset; the configuration now says "10.200.0.0/16". The node used `+
 					`pod_subnet only when it ran kubeadm init, so a change cannot reach the running cluster, and `+
