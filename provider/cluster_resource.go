@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -42,8 +43,10 @@ import (
 	"github.com/berthlabs/berth/internal/initclient"
 	"github.com/berthlabs/berth/internal/keys"
 	"github.com/berthlabs/berth/internal/kubeadm"
+	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/podnetwork"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/rpc"
 	"github.com/berthlabs/berth/provider/internal/platform"
 )
@@ -160,7 +163,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				MarkdownDescription: "Kubernetes release kubeadm initializes, with its `v`, such as `v1.36.3`: the one " +
 					"baked into the image (`data.berth_image` `components.kubernetes`). Kubernetes upgrades are not " +
 					"supported yet: a change is refused once the cluster exists, naming the rule of the version skew " +
-					"policy when the step is one no upgrade could take (a downgrade, a skipped minor).",
+					"policy when the step is one no upgrade could take (a downgrade, a skipped minor), or the role the " +
+					"cluster's join policy allows no image of the new release for.",
 			},
 			"control_plane_endpoint": schema.StringAttribute{
 				Optional: true,
@@ -336,7 +340,7 @@ func (r *clusterResource) ModifyPlan(ctx context.Context, req resource.ModifyPla
 			resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("pod_network"), plan.PodNetwork)...)
 		}
 	}
-	refuseInitChanges(&state, &plan, &resp.Diagnostics)
+	refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state))
 }
 
 // initSetting is an argument the node acted on when it ran kubeadm init.
@@ -367,8 +371,9 @@ func sameDuration(name string, a, b types.String) bool {
 }
 
 // refuseInitChanges adds an error on each init setting whose known value in plan differs from the
-// cluster's in state, saying why and what to do instead.
-func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
+// cluster's in state, saying why and what to do instead. missing tells the roles the cluster's join policy
+// has no image of a Kubernetes release for.
+func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics, missing func(release string) ([]metadata.Role, error)) {
 	was := initSettings(state)
 	for i, now := range initSettings(plan) {
 		old := was[i].v
@@ -386,6 +391,16 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
 				diags.AddAttributeError(path.Root(now.name), "Kubernetes version change not allowed",
 					fmt.Sprintf("%s runs Kubernetes %s; kubernetes_version is now %s: %v. Keep kubernetes_version = %s.",
 						cluster, settingValue(old), settingValue(now.v), err, settingValue(old)))
+				continue
+			}
+			// A policy that cannot be read says nothing here; the refusal below stands either way.
+			if roles, err := missing(to); err == nil && len(roles) > 0 {
+				diags.AddAttributeError(path.Root(now.name), "No image of the new Kubernetes release may join",
+					fmt.Sprintf("%s runs Kubernetes %s; kubernetes_version is now %s, but the cluster's join policy "+
+						"(ConfigMap kube-system/%s) allows no image of %s for %s: the nodes that would run it "+
+						"could not join. Add images of %s for both roles to berth_join_policy, with kubernetes_version "+
+						"from their manifest (data.berth_image.<name>.components[\"kubernetes\"]), and apply that first.",
+						cluster, settingValue(old), settingValue(now.v), policy.DefaultConfigMap, to, joinRoles(roles), to))
 				continue
 			}
 			diags.AddAttributeError(path.Root(now.name), "Kubernetes upgrades are not supported yet",
@@ -413,6 +428,46 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics) {
 					cluster, now.name, settingValue(old), settingValue(now.v), now.name, keep, now.name, newCluster))
 		}
 	}
+}
+
+// missingImagesIn is missingImages for the cluster of state, now.
+func missingImagesIn(ctx context.Context, state *clusterModel) func(release string) ([]metadata.Role, error) {
+	kubeconfig := state.Kubeconfig.ValueString()
+	return func(release string) ([]metadata.Role, error) {
+		return missingImages(ctx, kubeconfig, release, time.Now())
+	}
+}
+
+// missingImages reads the cluster's join policy with kubeconfig and returns the roles for which it allows no
+// image of release at now.
+func missingImages(ctx context.Context, kubeconfig, release string, now time.Time) ([]metadata.Role, error) {
+	kube, err := stateClient(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	cm, err := kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).Get(ctx, policy.DefaultConfigMap, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("reading the join policy: %w", err)
+	}
+	p, err := policy.Parse([]byte(cm.Data[policy.ConfigMapKey]))
+	if err != nil {
+		return nil, err
+	}
+	var missing []metadata.Role
+	for _, role := range []metadata.Role{metadata.RoleControlPlane, metadata.RoleWorker} {
+		if !slices.ContainsFunc(p.ForRole(role, now).Images, func(img policy.Image) bool { return img.KubernetesVersion == release }) {
+			missing = append(missing, role)
+		}
+	}
+	return missing, nil
+}
+
+// joinRoles names roles after "no image for": "the role control-plane", or "either role" for both.
+func joinRoles(roles []metadata.Role) string {
+	if len(roles) == 1 {
+		return "the role " + string(roles[0])
+	}
+	return "either role"
 }
 
 // settingValue shows an init setting's value in an error: quoted, or "unset".
@@ -842,16 +897,22 @@ func checkCluster(ctx context.Context, m clusterModel) (clusterVerdict, string) 
 }
 
 func readClusterInfo(ctx context.Context, kubeconfig string) (clusterinfo.Info, error) {
-	rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(kubeconfig))
-	if err != nil {
-		return clusterinfo.Info{}, fmt.Errorf("the kubeconfig in state does not parse: %w", err)
-	}
-	rc.Timeout = probeTimeout
-	kube, err := kubernetes.NewForConfig(rc)
+	kube, err := stateClient(kubeconfig)
 	if err != nil {
 		return clusterinfo.Info{}, err
 	}
 	return clusterinfo.Read(ctx, kube)
+}
+
+// stateClient is a client of the cluster with the admin kubeconfig in state, whose requests give up after
+// probeTimeout: a plan or refresh must not hang on a cluster that does not answer.
+func stateClient(kubeconfig string) (kubernetes.Interface, error) {
+	rc, err := clientcmd.RESTConfigFromKubeConfig([]byte(kubeconfig))
+	if err != nil {
+		return nil, fmt.Errorf("the kubeconfig in state does not parse: %w", err)
+	}
+	rc.Timeout = probeTimeout
+	return kubernetes.NewForConfig(rc)
 }
 
 // anotherCluster tells a server that proves it is not this cluster (its certificate is not from this CA, or
@@ -875,7 +936,7 @@ func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest
 	if state.PodNetwork.IsNull() {
 		state.PodNetwork = types.StringValue(podnetwork.None)
 	}
-	if refuseInitChanges(&state, &plan, &resp.Diagnostics); resp.Diagnostics.HasError() {
+	if refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state)); resp.Diagnostics.HasError() {
 		return
 	}
 	state.PCRs, state.Trust = plan.PCRs, plan.Trust

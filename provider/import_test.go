@@ -15,15 +15,41 @@ import (
 	"github.com/hashicorp/terraform-plugin-testing/plancheck"
 	"github.com/hashicorp/terraform-plugin-testing/terraform"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/clustersecrets"
 	"github.com/berthlabs/berth/internal/keys"
+	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/test/kubetest"
 	"github.com/berthlabs/berth/test/swtpm"
 )
+
+// putPolicy writes the join policy's ConfigMap as berth_join_policy does.
+func putPolicy(t *testing.T, api *kubetest.APIServer, images ...policy.Image) {
+	t.Helper()
+	data, err := (&policy.Policy{Images: images}).Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cms := api.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem)
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: policy.DefaultConfigMap}, Data: map[string]string{policy.ConfigMapKey: string(data)}}
+	_, err = cms.Update(context.Background(), cm, metav1.UpdateOptions{})
+	if apierrors.IsNotFound(err) {
+		_, err = cms.Create(context.Background(), cm, metav1.CreateOptions{})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// testPolicyImage is a policy image of a Kubernetes release for roles.
+func testPolicyImage(name, release string, roles ...metadata.Role) policy.Image {
+	return policy.Image{Name: name, Roles: roles, PCRs: map[int][]byte{11: make([]byte, 32)}, KubernetesVersion: release}
+}
 
 // importConfig is clusterConfig with the provider's root key, which only imports read.
 func importConfig(cluster string) string {
@@ -39,7 +65,8 @@ provider "berth" {
 // cluster's (its CA certificates, not new ones; the same init secret hash, so the first control-plane node's
 // user-data does not change), the first apply only writes pcrs and the TPM's trust into state (no node
 // answers at the endpoint), and the plan after it is empty. A wrong root key, none, and a cluster whose record
-// predates the init settings are refused, each saying why.
+// predates the init settings are refused, each saying why. With the state of the import, a plan to the next
+// minor reads the cluster's join policy.
 func TestImportAfterLostState(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -109,6 +136,7 @@ subjects:
 	// Nothing listens at the endpoint: the apply after the import must not need the node.
 	// The record spells the certificate validity as the node's Go did; the configuration as a user does.
 	cfg := importConfig(clusterArgs("127.0.0.1:1", "lab", zeroPCR11) + `  certificate_validity = "2160h"` + "\n" + clusterSecrets)
+	upgraded := strings.Replace(cfg, `"v1.36.3"`, `"v1.37.0"`, 1)
 	clusterID := "127.0.0.1:1," + apiServer
 	step := func(resourceName, importID string, root []byte, want ...string) resource.TestStep {
 		return resource.TestStep{Config: cfg, ConfigVariables: vars(root), ResourceName: resourceName, ImportState: true,
@@ -173,6 +201,32 @@ subjects:
 				Check: resource.TestCheckResourceAttr("berth_cluster.test", "cluster_id", id),
 			},
 			{Config: cfg, ConfigVariables: vars(root), PlanOnly: true},
+			// With the state it imported, berth_cluster reaches the cluster: a plan to the next minor reads the
+			// join policy and names the role it has no image of the target for.
+			{
+				PreConfig: func() {
+					putPolicy(t, api, testPolicyImage("berth-a", "v1.36.3", metadata.RoleControlPlane, metadata.RoleWorker))
+				},
+				Config: upgraded, ConfigVariables: vars(root), PlanOnly: true,
+				ExpectError: phrases("No image of the new Kubernetes release may join", "allows no image of v1.37.0 for either role:"),
+			},
+			{
+				PreConfig: func() {
+					putPolicy(t, api, testPolicyImage("berth-a", "v1.36.3", metadata.RoleControlPlane, metadata.RoleWorker),
+						testPolicyImage("berth-b-worker", "v1.37.0", metadata.RoleWorker))
+				},
+				Config: upgraded, ConfigVariables: vars(root), PlanOnly: true,
+				ExpectError: phrases("No image of the new Kubernetes release may join", `kubernetes_version is now "v1.37.0", but the `+
+					"cluster's join policy (ConfigMap kube-system/berth-join-policy) allows no image of v1.37.0 for the role control-plane:"),
+			},
+			{
+				PreConfig: func() {
+					putPolicy(t, api, testPolicyImage("berth-a", "v1.36.3", metadata.RoleControlPlane, metadata.RoleWorker),
+						testPolicyImage("berth-b", "v1.37.0", metadata.RoleControlPlane, metadata.RoleWorker))
+				},
+				Config: upgraded, ConfigVariables: vars(root), PlanOnly: true,
+				ExpectError: phrases("Kubernetes upgrades are not supported yet", "a step the version skew policy allows"),
+			},
 		},
 	})
 

@@ -126,7 +126,7 @@ func (r *joinPolicyResource) Schema(_ context.Context, _ resource.SchemaRequest,
 		Attributes: map[string]schema.Attribute{
 			"id": schema.StringAttribute{Computed: true, MarkdownDescription: "`kube-system/<name>`.",
 				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown()}},
-			"name": schema.StringAttribute{Optional: true, Computed: true, Default: stringdefault.StaticString("berth-join-policy"),
+			"name": schema.StringAttribute{Optional: true, Computed: true, Default: stringdefault.StaticString(policy.DefaultConfigMap),
 				MarkdownDescription: "Name of the ConfigMap; the agents' `policyConfigMap` (default `berth-join-policy`).",
 				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()}},
 			"images": schema.ListNestedAttribute{

@@ -23,6 +23,10 @@ import (
 // ConfigMapKey is the data key of the join policy in its ConfigMap.
 const ConfigMapKey = "policy.yaml"
 
+// DefaultConfigMap is the name of the join policy's ConfigMap in kube-system unless the agents' configuration
+// names another (policyConfigMap).
+const DefaultConfigMap = "berth-join-policy"
+
 // Store holds the current policy for concurrent readers while a source
 // (a file, a ConfigMap) replaces it.
 type Store struct {

@@ -19,6 +19,7 @@ import (
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/podnetwork"
+	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/nodeagent/internal/certrenew"
 	"github.com/berthlabs/berth/nodeagent/internal/configfile"
 	"github.com/berthlabs/berth/nodeagent/internal/joinserver"
@@ -241,7 +242,7 @@ func (c *Config) Defaults() {
 		c.EKCABundle = "/etc/berth/ek-ca.pem"
 	}
 	if c.PolicyConfigMap == "" {
-		c.PolicyConfigMap = "berth-join-policy"
+		c.PolicyConfigMap = policy.DefaultConfigMap
 	}
 	if c.CertificateRenewBefore.Duration == 0 {
 		c.CertificateRenewBefore.Duration = certrenew.DefaultRenewBefore
