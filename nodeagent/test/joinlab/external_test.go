@@ -59,21 +59,8 @@ func TestJoinWithoutKubeadm(t *testing.T) {
 		t.Error(lab.Logs.Logf("the ticket was not logged as a kubelet-method ticket without a token"))
 	}
 
-	cpPrepared, err := cp.Disk.Prepare(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cpCtx, cpCancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cpCancel()
-	if _, err := lab.JoinClient(cp, kubeadm, &nodestate.Lock{}).Join(cpCtx, cpPrepared); err == nil {
-		t.Fatal("a control-plane node joined through a join service for an external control plane")
-	}
-	if !strings.Contains(lab.Logs.String(), `this join service joins workers to an external control plane; the instance record says \"control-plane\"`) {
-		t.Error(lab.Logs.Logf("the refusal does not say why"))
-	}
-	if !opensWith(t, cp.Volume.Path(), cpPrepared.InitialKey) {
-		t.Error("the refused node's disk lost its initial key")
-	}
+	refusedJoin(ctx, t, lab, cp, kubeadm, "a control-plane node joined through a join service for an external control plane",
+		`this join service joins workers to an external control plane; the instance record says \"control-plane\"`)
 }
 
 // TestRenewKubeletCertificate: a node joined without kubeadm has no CSR signer in its cluster to rotate its

@@ -136,6 +136,27 @@ func (l *Lab) joinClientWith(n *Node, meta *metadata.Client, kubeadm *Kubeadm, l
 	})
 }
 
+// refusedJoin has n try to join for a few seconds, and fails the test (with joined) when it joins, when the
+// service's log lacks why, or when the node's disk lost its initial key.
+func refusedJoin(ctx context.Context, t *testing.T, lab *Lab, n *Node, kubeadm *Kubeadm, joined, why string) {
+	t.Helper()
+	prepared, err := n.Disk.Prepare(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if _, err := lab.JoinClient(n, kubeadm, &nodestate.Lock{}).Join(ctx, prepared); err == nil {
+		t.Fatal(joined)
+	}
+	if !strings.Contains(lab.Logs.String(), why) {
+		t.Error(lab.Logs.Logf("the refusal does not say why"))
+	}
+	if !opensWith(t, n.Volume.Path(), prepared.InitialKey) {
+		t.Error("the refused node's disk lost its initial key")
+	}
+}
+
 func opensWith(t *testing.T, image string, key []byte) bool {
 	t.Helper()
 	cmd := exec.Command("cryptsetup", "luksOpen", "--test-passphrase", "--key-file=-", image)

@@ -96,22 +96,9 @@ func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
 		t.Error("the state disk does not open with its derived key")
 	}
 
-	cp := lab.AddNode("cp-2", metadata.RoleControlPlane)
-	cpPrepared, err := cp.Disk.Prepare(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cpCtx, cpCancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cpCancel()
-	if _, err := lab.JoinClient(cp, kubeadm, &nodestate.Lock{}).Join(cpCtx, cpPrepared); err == nil {
-		t.Fatal("a control-plane node of v1.35.4 joined a control plane at v1.36.3")
-	}
-	if !strings.Contains(lab.Logs.String(), `control-plane image \"old-control-plane\" carries Kubernetes v1.35.4 and the control plane runs v1.36.3`) {
-		t.Error(lab.Logs.Logf("the refusal does not say why"))
-	}
-	if !opensWith(t, cp.Volume.Path(), cpPrepared.InitialKey) {
-		t.Error("the refused node's disk lost its initial key")
-	}
+	refusedJoin(ctx, t, lab, lab.AddNode("cp-2", metadata.RoleControlPlane), kubeadm,
+		"a control-plane node of v1.35.4 joined a control plane at v1.36.3",
+		`control-plane image \"old-control-plane\" carries Kubernetes v1.35.4 and the control plane runs v1.36.3`)
 }
 
 // waitFor polls cond until it holds, failing the test when ctx ends first.
