@@ -72,15 +72,8 @@ func (p Policy) Delay(attempt int, rnd func() float64) time.Duration {
 // Initial], so that a fleet waiting for a server that is not up yet finds it within Initial of its
 // start, without all of it trying in the same instant. rnd is as for Delay.
 func (p Policy) Soon(rnd func() float64) time.Duration {
-	if rnd == nil {
-		rnd = rand.Float64
-	}
 	initial := p.withDefaults().Initial
-	r := rnd()
-	if !(r > 0) {
-		r = 0
-	}
-	return initial/2 + time.Duration(min(r, 1)*float64(initial/2))
+	return initial/2 + time.Duration(jitter(rnd)*float64(initial/2))
 }
 
 // Sleeper waits for d or until ctx ends, whichever comes first; it returns ctx.Err() when ctx
@@ -105,7 +98,8 @@ func Sleep(ctx context.Context, d time.Duration) error {
 // Retry calls op until it returns nil or a Permanent error, or until ctx ends. After each failure
 // it calls notify (when not nil) with the number of tries so far (from 1), the error and the delay
 // before the next try. The first try runs at once. A try whose error is Unanswered is repeated
-// after Soon, and only the other failures count towards the backoff's growth.
+// after Soon, and only the other failures count towards the backoff's growth. A try whose error
+// carries After(d) waits a draw from [d, 1.5d) when that is longer than the backoff's.
 //
 // When ctx ends, the returned error wraps both ctx's error and the last error from op, so
 // errors.Is matches either. A Permanent error is returned as it is. A nil sleep means Sleep; a
@@ -133,6 +127,9 @@ func Retry(ctx context.Context, p Policy, sleep Sleeper, rnd func() float64, op 
 			answered++
 			next = p.Delay(answered, rnd)
 		}
+		if d, ok := afterOf(err); ok {
+			next = max(next, d+time.Duration(jitter(rnd)*float64(d/2)))
+		}
 		if notify != nil {
 			notify(attempt, err, next)
 		}
@@ -143,6 +140,46 @@ func Retry(ctx context.Context, p Policy, sleep Sleeper, rnd func() float64, op 
 			return fmt.Errorf("giving up after %d tries: %w; last error: %w", attempt, cerr, err)
 		}
 	}
+}
+
+// jitter draws from [0, 1) with rnd, or math/rand/v2.Float64 when rnd is nil, clamping what a broken
+// source returns.
+func jitter(rnd func() float64) float64 {
+	if rnd == nil {
+		rnd = rand.Float64
+	}
+	r := rnd()
+	if !(r > 0) {
+		return 0
+	}
+	return min(r, 1)
+}
+
+type afterError struct {
+	err error
+	d   time.Duration
+}
+
+func (e *afterError) Error() string { return e.err.Error() }
+func (e *afterError) Unwrap() error { return e.err }
+
+// After marks err as an answer that asked to be tried again no sooner than d, such as a server's
+// hint that what the caller waits for takes that long: Retry waits at least d, spread over half of
+// it again so that a fleet told the same does not come back in one instant. After(nil, d) is nil.
+func After(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &afterError{err: err, d: d}
+}
+
+// afterOf returns the delay of the After mark on err, or any error it wraps.
+func afterOf(err error) (time.Duration, bool) {
+	var a *afterError
+	if errors.As(err, &a) {
+		return a.d, true
+	}
+	return 0, false
 }
 
 type permanentError struct {

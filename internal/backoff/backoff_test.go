@@ -376,3 +376,37 @@ func TestUnanswered(t *testing.T) {
 		t.Fatal("IsUnanswered does not follow wrapping, or marks an unmarked error")
 	}
 }
+
+// TestRetryAfter: a try whose error carries After(d) waits from d to 1.5d, however short the backoff is,
+// and still counts towards its growth; a longer backoff wins.
+func TestRetryAfter(t *testing.T) {
+	var rec recorder
+	p := Policy{Initial: 100 * time.Millisecond, Max: 20 * time.Second}
+	errHeld := errors.New("held back")
+	outcomes := []error{After(errHeld, 2*time.Second), After(errHeld, 2*time.Second), errors.New("busy"),
+		After(errHeld, 10*time.Millisecond), nil}
+	calls := 0
+	err := Retry(context.Background(), p, rec.sleep, half, func(context.Context) error {
+		calls++
+		return outcomes[calls-1]
+	}, func(attempt int, err error, next time.Duration) {
+		if _, ok := afterOf(err); ok != errors.Is(err, errHeld) {
+			t.Errorf("try %d: notify got %v", attempt, err)
+		}
+	})
+	if err != nil {
+		t.Fatalf("Retry: %v", err)
+	}
+	// half draws the middle: 2s+0.5s twice; then the backoff of the third and fourth answered tries, 200ms and
+	// 400ms, the fourth above its own 10ms hint.
+	want := []time.Duration{2500 * time.Millisecond, 2500 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond}
+	if !slices.Equal(rec.delays, want) {
+		t.Fatalf("sleeps = %v, want %v", rec.delays, want)
+	}
+	if After(nil, time.Second) != nil {
+		t.Error("After(nil) != nil")
+	}
+	if a := After(errHeld, time.Second); !errors.Is(a, errHeld) || a.Error() != errHeld.Error() || IsPermanent(a) || IsUnanswered(a) {
+		t.Errorf("After(%v) = %v", errHeld, a)
+	}
+}

@@ -26,7 +26,9 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/backoff"
@@ -408,6 +410,9 @@ func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.S
 		if !listening {
 			return backoff.Unanswered(errors.Join(errs...))
 		}
+		if d, ok := retryDelay(errs); ok {
+			return backoff.After(errors.Join(errs...), d)
+		}
 		return errors.Join(errs...)
 	}, func(attempt int, err error, next time.Duration) {
 		if !backoff.IsUnanswered(err) {
@@ -426,6 +431,30 @@ func (c *Client) request(ctx context.Context, log *slog.Logger, self *metadata.S
 	}
 	return answer, nil
 }
+
+// retryDelay is the longest wait a join service asked for in errs (google.rpc.RetryInfo), such as for a node
+// held back until the control plane runs its Kubernetes release: asking sooner would cost the service a
+// quote's verification for the same answer.
+func retryDelay(errs []error) (time.Duration, bool) {
+	var longest time.Duration
+	found := false
+	for _, err := range errs {
+		st, ok := status.FromError(err)
+		if !ok {
+			continue
+		}
+		for _, d := range st.Details() {
+			if ri, isRetry := d.(*errdetails.RetryInfo); isRetry && ri.GetRetryDelay().IsValid() {
+				longest, found = max(longest, min(ri.GetRetryDelay().AsDuration(), maxRetryDelay)), true
+			}
+		}
+	}
+	return longest, found
+}
+
+// maxRetryDelay bounds what a join service may ask a node to wait: a hostile or broken service must not
+// park a node for longer than a genuine one ever asks.
+const maxRetryDelay = 5 * time.Minute
 
 // try runs one exchange on a new connection to endpoint. Its error wraps errNotListening when the endpoint
 // refused the connection.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -12,6 +13,11 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/berthlabs/berth/internal/api/berthv1"
 	"github.com/berthlabs/berth/internal/backoff"
@@ -472,6 +478,35 @@ func TestJoinBacksOffWhenAnyEndpointAnswers(t *testing.T) {
 	for i := range want {
 		if d := want[i] * time.Millisecond; delays[i] < d*99/100 || delays[i] > d {
 			t.Fatalf("delays %v, want about %v ms: the backoff's ceilings", delays, want)
+		}
+	}
+}
+
+// TestRetryDelay reads the wait a join service asks for from its answers, as the client wraps them: the
+// longest, capped at maxRetryDelay; answers without one, and malformed ones, ask for nothing.
+func TestRetryDelay(t *testing.T) {
+	withRetry := func(d *durationpb.Duration) error {
+		st, err := status.New(codes.Unavailable, "held back").WithDetails(&errdetails.RetryInfo{RetryDelay: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Errorf("10.0.0.1:7452: %w", st.Err())
+	}
+	plain := fmt.Errorf("10.0.0.2:7452: %w", status.Error(codes.Unavailable, "join service failed; retry later"))
+	for _, tt := range []struct {
+		name string
+		errs []error
+		want time.Duration
+		ok   bool
+	}{
+		{"none", []error{plain, errors.New("connection reset")}, 0, false},
+		{"one", []error{plain, withRetry(durationpb.New(30 * time.Second))}, 30 * time.Second, true},
+		{"the longest", []error{withRetry(durationpb.New(time.Second)), withRetry(durationpb.New(20 * time.Second))}, 20 * time.Second, true},
+		{"capped", []error{withRetry(durationpb.New(24 * time.Hour))}, maxRetryDelay, true},
+		{"malformed", []error{withRetry(&durationpb.Duration{Seconds: 1, Nanos: -1})}, 0, false},
+	} {
+		if got, ok := retryDelay(tt.errs); got != tt.want || ok != tt.ok {
+			t.Errorf("%s: retryDelay = %v, %v; want %v, %v", tt.name, got, ok, tt.want, tt.ok)
 		}
 	}
 }

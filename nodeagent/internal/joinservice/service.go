@@ -127,8 +127,8 @@ const (
 var ErrorKinds = []string{ErrorInternal, ErrorStream}
 
 // Config is everything a Server needs; all fields but Method, Kubelet, Clock, Logger, Metrics, TokenTTL,
-// Timeout, KubeletSigner and ControlPlaneFiles are required, and Tokens is required for the kubeadm method
-// only.
+// Timeout, KubeletSigner, ControlPlaneFiles, KubernetesVersion, APIServers and HeldBackRetry are required,
+// and Tokens is required for the kubeadm method only.
 type Config struct {
 	Verifier  *attest.Verifier
 	Policy    PolicySource
@@ -157,6 +157,9 @@ type Config struct {
 	KubernetesVersion string
 	// APIServers, if set, tells the releases the API servers run, which a joining node's image must suit.
 	APIServers APIServerVersions
+	// HeldBackRetry is how long a node held back for its Kubernetes release is asked to wait before it
+	// asks again; DefaultHeldBackRetry if zero.
+	HeldBackRetry time.Duration
 	// ControlPlaneFiles returns the files a joining control-plane node needs (CA and service-account keys).
 	ControlPlaneFiles func() ([]*berthv1.File, error)
 	// JoinCA, when set, goes with the master secret to joining control-plane nodes, so that they serve
@@ -224,6 +227,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.HeldBackRetry == 0 {
+		cfg.HeldBackRetry = DefaultHeldBackRetry
 	}
 	if cfg.Workers <= 0 {
 		cfg.Workers = DefaultWorkers()

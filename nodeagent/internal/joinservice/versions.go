@@ -2,13 +2,16 @@ package joinservice
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"sync"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"k8s.io/apimachinery/pkg/util/version"
 	"k8s.io/client-go/kubernetes"
 
@@ -48,9 +51,10 @@ func (s *Server) checkVersion(ctx context.Context, ex *exchange) error {
 			fmt.Errorf("image %q carries Kubernetes %s and the control plane runs %s: %w", ex.image, node, oldest, err))
 	}
 	if ahead > 0 {
-		return s.refuse(ex.log, RefusedHeldBack, codes.Unavailable, "held back",
+		err := s.refuse(ex.log, RefusedHeldBack, codes.Unavailable, "held back",
 			fmt.Errorf("image %q carries Kubernetes %s and the control plane runs %s: waiting for the control plane to reach %s, since the version skew policy lets no kubelet be newer than an API server",
 				ex.image, node, oldest, minorOf(node)))
+		return retryAfter(err, s.cfg.HeldBackRetry)
 	}
 	behind, err := kubeadm.MinorsAhead(newest, node)
 	if err != nil {
@@ -68,6 +72,23 @@ func (s *Server) checkVersion(ctx context.Context, ex *exchange) error {
 				ex.image, node, newest, maxKubeletMinorsBehind))
 	}
 	return nil
+}
+
+// DefaultHeldBackRetry is Config.HeldBackRetry when zero: an upgrade of the control plane takes minutes,
+// and each retry costs the service a quote's verification.
+const DefaultHeldBackRetry = 30 * time.Second
+
+// retryAfter adds to a refusal's status the delay its node should wait before it asks again
+// (google.rpc.RetryInfo, which the join client honours).
+func retryAfter(err error, d time.Duration) error {
+	var r *refusal
+	if !errors.As(err, &r) {
+		return err
+	}
+	if st, derr := r.st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(d)}); derr == nil {
+		r.st = st
+	}
+	return err
 }
 
 // apiServerVersions are the API servers' releases, oldest first: the configured source's, or else the

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
@@ -80,7 +81,7 @@ func TestCheckVersion(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rec := &recorded{}
-			s := &Server{cfg: Config{APIServers: tt.servers, KubernetesVersion: tt.config, Metrics: rec}}
+			s := &Server{cfg: Config{APIServers: tt.servers, KubernetesVersion: tt.config, Metrics: rec, HeldBackRetry: 30 * time.Second}}
 			log := slog.New(slog.DiscardHandler)
 			ex := &exchange{instance: &metadata.Instance{Name: "n", Role: tt.role}, image: "img", kubernetesVersion: tt.node, log: log}
 			err := s.checkVersion(context.Background(), ex)
@@ -93,6 +94,15 @@ func TestCheckVersion(t *testing.T) {
 			st := status.Convert(err)
 			if st.Code() != tt.code || !strings.Contains(st.Message(), tt.msg) {
 				t.Fatalf("status %v %q, want %v with %q", st.Code(), st.Message(), tt.code, tt.msg)
+			}
+			var retry []time.Duration
+			for _, d := range st.Details() {
+				if ri, ok := d.(*errdetails.RetryInfo); ok {
+					retry = append(retry, ri.GetRetryDelay().AsDuration())
+				}
+			}
+			if wantRetry := tt.reason == RefusedHeldBack; wantRetry != slices.Equal(retry, []time.Duration{30 * time.Second}) {
+				t.Errorf("retry delays in the status: %v; want 30s only for a node held back", retry)
 			}
 			s.observe(CallJoin, time.Now(), &err)
 			want := "error join internal"

@@ -105,7 +105,9 @@ func New(t testing.TB, opts ...Option) *Lab {
 		},
 		JoinCA:  l.JoinCA,
 		Timeout: 20 * time.Second,
-		Logger:  slog.New(slog.NewTextHandler(l.Logs, nil)),
+		// Longer than the lab's join clients back off (500 ms), so that a test sees them honour it.
+		HeldBackRetry: time.Second,
+		Logger:        slog.New(slog.NewTextHandler(l.Logs, nil)),
 	}
 	for _, o := range opts {
 		o(&cfg)

@@ -60,7 +60,7 @@ func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
 		joined <- result{st, err}
 	}()
 	const why = `image \"new\" carries Kubernetes v1.36.3 and the control plane runs v1.35.4: waiting for the control plane to reach v1.36`
-	waitFor(t, ctx, "the service to hold the worker back", func() bool { return strings.Count(lab.Logs.String(), why) >= 4 })
+	waitFor(t, ctx, "the service to hold the worker back", func() bool { return strings.Count(lab.Logs.String(), why) >= 3 })
 	select {
 	case r := <-joined:
 		t.Fatalf("the worker joined while an API server ran v1.35.4: %+v, %v", r.state, r.err)
@@ -68,6 +68,17 @@ func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
 	}
 	if logs := lab.Logs.String(); !strings.Contains(logs, "held back") || !strings.Contains(logs, "agent=worker-1") {
 		t.Error(lab.Logs.Logf("neither the service nor the agent logs the wait"))
+	}
+	// The service asks for a second between tries (the lab's HeldBackRetry), more than the lab's clients'
+	// own backoff allows: each retry after a hold-back waits from 1 s to 1.5 s.
+	waits := retryWaits(lab.Logs.String(), "worker-1")
+	if len(waits) < 2 {
+		t.Error(lab.Logs.Logf("the worker's join client logged %d retries, want one after each hold-back", len(waits)))
+	}
+	for _, wait := range waits {
+		if wait < time.Second || wait >= 1500*time.Millisecond {
+			t.Error(lab.Logs.Logf("a retry after a hold-back waited %v, not the 1 s to 1.5 s the service asked for", wait))
+		}
 	}
 	cms, err := lab.Kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -99,6 +110,23 @@ func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
 	refusedJoin(ctx, t, lab, lab.AddNode("cp-2", metadata.RoleControlPlane), kubeadm,
 		"a control-plane node of v1.35.4 joined a control plane at v1.36.3",
 		`control-plane image \"old-control-plane\" carries Kubernetes v1.35.4 and the control plane runs v1.36.3`)
+}
+
+// retryWaits are the waits agent's join client logged before each retry of a join ticket.
+func retryWaits(logs, agent string) []time.Duration {
+	var waits []time.Duration
+	for line := range strings.Lines(logs) {
+		if !strings.Contains(line, `msg="retrying join ticket"`) || !strings.Contains(line, "agent="+agent+" ") {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, "retry_in=")
+		if fields := strings.Fields(rest); len(fields) > 0 {
+			if d, err := time.ParseDuration(fields[0]); err == nil {
+				waits = append(waits, d)
+			}
+		}
+	}
+	return waits
 }
 
 // waitFor polls cond until it holds, failing the test when ctx ends first.
