@@ -84,14 +84,73 @@ func (e *Exec) run(ctx context.Context, command, configPath string, progress fun
 	}
 	args := []string{command, "--config", configPath}
 	if len(e.IgnorePreflightErrors) > 0 {
-		for _, check := range e.IgnorePreflightErrors {
-			if check == "" || strings.IndexFunc(check, func(r rune) bool { return r == ',' || unicode.IsSpace(r) || unicode.IsControl(r) }) >= 0 {
-				return fmt.Errorf("kubeadm %s: preflight check name %q is empty or has a comma, whitespace or control characters", command, check)
-			}
+		flag, err := ignoreFlag(command, e.IgnorePreflightErrors)
+		if err != nil {
+			return err
 		}
-		args = append(args, "--ignore-preflight-errors="+strings.Join(e.IgnorePreflightErrors, ","))
+		args = append(args, flag)
 	}
 	return e.exec(ctx, command, args, progress)
+}
+
+// ignoreFlag is --ignore-preflight-errors for checks.
+func ignoreFlag(command string, checks []string) (string, error) {
+	for _, check := range checks {
+		if check == "" || strings.IndexFunc(check, func(r rune) bool { return r == ',' || unicode.IsSpace(r) || unicode.IsControl(r) }) >= 0 {
+			return "", fmt.Errorf("kubeadm %s: preflight check name %q is empty or has a comma, whitespace or control characters", command, check)
+		}
+	}
+	return "--ignore-preflight-errors=" + strings.Join(checks, ","), nil
+}
+
+// Version runs `kubeadm version -o short`: the release of the node's own kubeadm, which its image carries.
+func (e *Exec) Version(ctx context.Context) (string, error) {
+	var out []string
+	if err := e.exec(ctx, "version", []string{"version", "-o", "short"}, func(line string) { out = append(out, line) }); err != nil {
+		return "", err
+	}
+	if len(out) != 1 || !IsRelease(out[0]) {
+		return "", fmt.Errorf("kubeadm version -o short printed %q, want one release such as v1.36.3", strings.Join(out, "\n"))
+	}
+	return out[0], nil
+}
+
+// upgradeCheck is the preflight check UpgradeApply ignores always: it runs a Job from the target's pause
+// image on any node, and a node of the previous image that cannot pull lacks that image (see
+// docs/kubernetes-upgrades.md). The Job proves only that the cluster schedules pods, which the roll needs
+// anyway and which the upgrade itself does not depend on.
+const upgradeCheck = "CreateJob"
+
+// UpgradeApply runs `kubeadm upgrade apply <release>` on the node that leads a control-plane upgrade, without
+// the addon phase: kube-proxy and CoreDNS follow only once every node runs release (UpgradeAddons), since
+// nodes of the previous image may lack the new images. kubeadm reads the cluster through kubeconfig.
+func (e *Exec) UpgradeApply(ctx context.Context, kubeconfig, release string, progress func(line string)) error {
+	if !IsRelease(release) {
+		return fmt.Errorf("kubeadm upgrade apply: %q is not a release such as v1.36.3", release)
+	}
+	ignore, err := ignoreFlag("upgrade apply", append([]string{upgradeCheck}, e.IgnorePreflightErrors...))
+	if err != nil {
+		return err
+	}
+	args := []string{"upgrade", "apply", release, "--yes", "--kubeconfig", kubeconfig, "--skip-phases=addon", ignore}
+	return e.exec(ctx, "upgrade apply", args, progress)
+}
+
+// UpgradeNode runs `kubeadm upgrade node` on a control-plane node after another led the upgrade: it moves the
+// node's static pods to the release kubeadm-config now names, without the addon phase (as UpgradeApply).
+func (e *Exec) UpgradeNode(ctx context.Context, kubeconfig string, progress func(line string)) error {
+	args := []string{"upgrade", "node", "--kubeconfig", kubeconfig, "--skip-phases=addon"}
+	return e.exec(ctx, "upgrade node", args, progress)
+}
+
+// UpgradeAddons runs `kubeadm upgrade apply phase addon all <release>`: kube-proxy and CoreDNS at release.
+// kubeadm itself skips them while any kube-apiserver pod runs another release.
+func (e *Exec) UpgradeAddons(ctx context.Context, kubeconfig, release string, progress func(line string)) error {
+	if !IsRelease(release) {
+		return fmt.Errorf("kubeadm upgrade apply phase addon: %q is not a release such as v1.36.3", release)
+	}
+	args := []string{"upgrade", "apply", "phase", "addon", "all", release, "--kubeconfig", kubeconfig}
+	return e.exec(ctx, "upgrade apply phase addon", args, progress)
 }
 
 // exec runs kubeadm with args, streaming its output to progress.

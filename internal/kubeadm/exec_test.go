@@ -326,3 +326,74 @@ echo "[renew] certificate embedded in the kubeconfig file for the admin to use a
 		t.Error("renewed without a kubeconfig")
 	}
 }
+
+func TestExecUpgrade(t *testing.T) {
+	argsFile := filepath.Join(t.TempDir(), "args")
+	bin := fakeKubeadm(t, `echo "$@" > `+argsFile+`
+echo "[upgrade] done"`)
+	e := &Exec{Binary: bin, IgnorePreflightErrors: []string{"Swap"}}
+	const kubeconfig = "/etc/kubernetes/admin.conf"
+	tests := []struct {
+		name string
+		run  func() error
+		want string
+	}{
+		// The node's own ignored checks go to the upgrade's preflight too; CreateJob always.
+		{"apply", func() error { return e.UpgradeApply(t.Context(), kubeconfig, "v1.36.3", nil) },
+			"upgrade apply v1.36.3 --yes --kubeconfig " + kubeconfig + " --skip-phases=addon --ignore-preflight-errors=CreateJob,Swap"},
+		{"node", func() error { return e.UpgradeNode(t.Context(), kubeconfig, nil) },
+			"upgrade node --kubeconfig " + kubeconfig + " --skip-phases=addon"},
+		{"addons", func() error { return e.UpgradeAddons(t.Context(), kubeconfig, "v1.36.3", nil) },
+			"upgrade apply phase addon all v1.36.3 --kubeconfig " + kubeconfig},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.run(); err != nil {
+				t.Fatal(err)
+			}
+			args, err := os.ReadFile(argsFile)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := strings.TrimSpace(string(args)); got != tt.want {
+				t.Errorf("kubeadm called with %q, want %q", got, tt.want)
+			}
+		})
+	}
+	for _, release := range []string{"", "1.36.3", "v1.36.3 --force"} {
+		if err := e.UpgradeApply(t.Context(), kubeconfig, release, nil); err == nil {
+			t.Errorf("upgrade apply to %q ran", release)
+		}
+		if err := e.UpgradeAddons(t.Context(), kubeconfig, release, nil); err == nil {
+			t.Errorf("addon upgrade to %q ran", release)
+		}
+	}
+	bad := &Exec{Binary: bin, IgnorePreflightErrors: []string{"a,b"}}
+	if err := bad.UpgradeApply(t.Context(), kubeconfig, "v1.36.3", nil); err == nil || !strings.Contains(err.Error(), "comma") {
+		t.Errorf("upgrade apply ignoring %q: %v, want the check name refused", "a,b", err)
+	}
+}
+
+func TestExecVersion(t *testing.T) {
+	for _, tt := range []struct {
+		name, out, want string
+	}{
+		{"release", "echo v1.36.3", "v1.36.3"},
+		{"pre-release", "echo v1.37.0-rc.1", "v1.37.0-rc.1"},
+		{"built without its version", "echo 'v0.0.0-master+$Format:%H$'", ""},
+		{"two lines", "echo v1.36.3; echo v1.36.4", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := (&Exec{Binary: fakeKubeadm(t, tt.out)}).Version(t.Context())
+			if tt.want == "" {
+				if err == nil {
+					t.Errorf("Version = %q, want an error", got)
+				}
+				return
+			}
+			if err != nil || got != tt.want {
+				t.Errorf("Version = %q, %v; want %q", got, err, tt.want)
+			}
+		})
+	}
+}
