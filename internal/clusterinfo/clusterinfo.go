@@ -139,12 +139,9 @@ func Publish(ctx context.Context, kube kubernetes.Interface, info Info) error {
 
 // Read returns the record; an error wrapping ErrNotFound if there is none.
 func Read(ctx context.Context, kube kubernetes.Interface) (Info, error) {
-	cm, err := kube.CoreV1().ConfigMaps(Namespace).Get(ctx, Name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return Info{}, ErrNotFound
-	}
+	cm, err := readConfigMap(ctx, kube)
 	if err != nil {
-		return Info{}, fmt.Errorf("reading the cluster record: %w", err)
+		return Info{}, err
 	}
 	info := Info{ID: cm.Data[keyID], Name: cm.Data[keyName]}
 	for key, v := range info.Init.keys() {
@@ -154,4 +151,16 @@ func Read(ctx context.Context, kube kubernetes.Interface) (Info, error) {
 		return Info{}, fmt.Errorf("the cluster record %s/%s is damaged: %w", Namespace, Name, err)
 	}
 	return info, nil
+}
+
+// readConfigMap returns the record's ConfigMap; an error wrapping ErrNotFound if there is none.
+func readConfigMap(ctx context.Context, kube kubernetes.Interface) (*corev1.ConfigMap, error) {
+	cm, err := kube.CoreV1().ConfigMaps(Namespace).Get(ctx, Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, ErrNotFound
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading the cluster record: %w", err)
+	}
+	return cm, nil
 }
