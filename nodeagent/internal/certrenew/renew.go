@@ -20,6 +20,7 @@ import (
 
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/berthlabs/berth/nodeagent/internal/cplease"
 	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 )
 
@@ -178,46 +179,37 @@ func (r *Renewer) renew(ctx context.Context) (renewed bool, err error) {
 	if err != nil {
 		return false, fmt.Errorf("connecting to the API server: %w", err)
 	}
-	l := &lease{client: client, holder: r.cfg.Node, duration: leaseDuration, now: r.cfg.Now}
-	taken, holder, err := l.tryAcquire(ctx)
-	if err != nil {
-		return false, err
-	}
-	if !taken {
+	l := &cplease.Lease{Client: client, Holder: r.cfg.Node, Duration: leaseDuration, Now: r.cfg.Now}
+	taken, holder, err := l.Do(ctx, r.cfg.Client, r.log, r.renewHolding)
+	if err == nil && !taken {
 		r.log.Info("another control-plane node is renewing its certificates; waiting for it", "holder", holder)
-		return false, nil
 	}
-	defer func() {
-		// Released even when the renewal failed or ctx ended, with a client of the current admin.conf.
-		if c, err := r.cfg.Client(); err == nil {
-			l.client = c
-		}
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if err := l.release(ctx); err != nil {
-			r.log.Warn("the renewal lease stays until it lapses", "error", err)
-		}
-	}()
+	return taken && err == nil, err
+}
+
+// renewHolding renews the certificates and restarts the control plane, with the Lease held.
+func (r *Renewer) renewHolding(ctx context.Context) error {
 	start := r.cfg.Now()
-	err = r.cfg.Kubeadm.RenewCertificates(ctx, r.cfg.Kubeconfig, r.cfg.CertDir, func(line string) {
+	err := r.cfg.Kubeadm.RenewCertificates(ctx, r.cfg.Kubeconfig, r.cfg.CertDir, func(line string) {
 		r.log.Debug("kubeadm output", "line", line)
 	})
 	if err != nil {
-		return false, fmt.Errorf("kubeadm certs renew: %w", err)
+		return fmt.Errorf("kubeadm certs renew: %w", err)
 	}
 	r.log.Info("certificates renewed; restarting the control-plane components")
 	stamp := start.UTC().Format(time.RFC3339)
 	restarted, err := restartStaticPods(r.cfg.ManifestDir, stamp)
 	if err != nil {
-		return false, err
+		return err
 	}
-	if client, err = r.cfg.Client(); err != nil {
-		return false, fmt.Errorf("connecting to the API server with the renewed admin.conf: %w", err)
+	client, err := r.cfg.Client()
+	if err != nil {
+		return fmt.Errorf("connecting to the API server with the renewed admin.conf: %w", err)
 	}
 	if err := waitRestarted(ctx, client, r.cfg.Node, restarted, stamp, r.log); err != nil {
-		return false, err
+		return err
 	}
 	r.log.Info("control plane back with renewed certificates", "components", restarted,
 		"duration", r.cfg.Now().Sub(start).Round(time.Second).String())
-	return true, nil
+	return nil
 }

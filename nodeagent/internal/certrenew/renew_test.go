@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/berthlabs/berth/internal/pki"
+	"github.com/berthlabs/berth/nodeagent/internal/cplease"
 	"github.com/berthlabs/berth/nodeagent/internal/kubecerts"
 	"github.com/berthlabs/berth/test/kubetest"
 )
@@ -210,14 +211,14 @@ func TestRenewUnderLease(t *testing.T) {
 	})
 
 	// cp-1 holds the Lease, as if it were renewing: cp-0 waits.
-	busy := &lease{client: api.Client, holder: "cp-1", duration: time.Minute, now: time.Now}
-	if taken, _, err := busy.tryAcquire(ctx); !taken || err != nil {
+	busy := &cplease.Lease{Client: api.Client, Holder: "cp-1", Duration: time.Minute}
+	if taken, _, err := busy.TryAcquire(ctx); !taken || err != nil {
 		t.Fatalf("cp-1 took the lease: %v, %v", taken, err)
 	}
 	if wait := renewers["cp-0"].step(ctx); wait != busyAfter || fakes["cp-0"].calls != 0 {
 		t.Fatalf("cp-0 with the lease held: waits %v after %d renewals, want %v and none", wait, fakes["cp-0"].calls, busyAfter)
 	}
-	if err := busy.release(ctx); err != nil {
+	if err := busy.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
 
@@ -269,36 +270,9 @@ func TestRenewUnderLease(t *testing.T) {
 	if wait := renewers["cp-0"].step(ctx); wait != retryAfter || obs.failed != 1 {
 		t.Errorf("after a failed renewal: waits %v, %d failures observed; want %v and one", wait, obs.failed, retryAfter)
 	}
-	l, err := api.Client.CoordinationV1().Leases(metav1.NamespaceSystem).Get(ctx, LeaseName, metav1.GetOptions{})
-	if err != nil || holderOf(l) != "" {
-		t.Errorf("lease after the failed renewal: held by %q (%v), want released", holderOf(l), err)
-	}
-}
-
-// TestLeaseLapses: a holder that let its Lease run out (a node that died while renewing) does not keep the
-// others from renewing.
-func TestLeaseLapses(t *testing.T) {
-	api := kubetest.Start(t)
-	now := time.Now()
-	dead := &lease{client: api.Client, holder: "cp-0", duration: time.Minute, now: func() time.Time { return now }}
-	alive := &lease{client: api.Client, holder: "cp-1", duration: time.Minute, now: func() time.Time { return now.Add(30 * time.Second) }}
-	if taken, _, err := dead.tryAcquire(t.Context()); !taken || err != nil {
-		t.Fatalf("first take: %v, %v", taken, err)
-	}
-	if taken, holder, err := alive.tryAcquire(t.Context()); taken || holder != "cp-0" || err != nil {
-		t.Fatalf("take of a held lease: %v by %q, %v; want refused, held by cp-0", taken, holder, err)
-	}
-	alive.now = func() time.Time { return now.Add(2 * time.Minute) }
-	if taken, _, err := alive.tryAcquire(t.Context()); !taken || err != nil {
-		t.Fatalf("take of a lapsed lease: %v, %v", taken, err)
-	}
-	// The node that came back late does not take it from the new holder, nor release it.
-	if err := dead.release(t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	l, err := api.Client.CoordinationV1().Leases(metav1.NamespaceSystem).Get(t.Context(), LeaseName, metav1.GetOptions{})
-	if err != nil || holderOf(l) != "cp-1" {
-		t.Errorf("lease held by %q (%v), want cp-1", holderOf(l), err)
+	l, err := api.Client.CoordinationV1().Leases(metav1.NamespaceSystem).Get(ctx, cplease.Name, metav1.GetOptions{})
+	if err != nil || cplease.HolderOf(l) != "" {
+		t.Errorf("lease after the failed renewal: held by %q (%v), want released", cplease.HolderOf(l), err)
 	}
 }
 
