@@ -30,6 +30,7 @@ import (
 	"github.com/berthlabs/berth/nodeagent/internal/initserver"
 	"github.com/berthlabs/berth/nodeagent/internal/joinclient"
 	"github.com/berthlabs/berth/nodeagent/internal/joinservice"
+	"github.com/berthlabs/berth/nodeagent/internal/kubeupgrade"
 	"github.com/berthlabs/berth/nodeagent/internal/localunlock"
 	"github.com/berthlabs/berth/nodeagent/internal/nodestate"
 	"github.com/berthlabs/berth/nodeagent/internal/platform"
@@ -47,10 +48,12 @@ type Prover interface {
 }
 
 // Kubeadm runs kubeadm (kubeadm.Exec); Reset clears what an interrupted join left behind, and a
-// control-plane node renews its certificates with it (package certrenew).
+// control-plane node renews its certificates (package certrenew) and upgrades its control plane (package
+// kubeupgrade) with it.
 type Kubeadm interface {
 	kubeadm.Runner
 	certrenew.Kubeadm
+	kubeupgrade.Kubeadm
 	Reset(ctx context.Context, progress func(line string)) error
 }
 

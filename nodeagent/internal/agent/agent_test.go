@@ -69,6 +69,23 @@ func (k *kubeadmRecorder) RenewCertificates(ctx context.Context, kubeconfig, cer
 	return nil
 }
 
+func (k *kubeadmRecorder) Version(context.Context) (string, error) { return "v1.36.3", nil }
+
+func (k *kubeadmRecorder) UpgradeApply(ctx context.Context, kubeconfig, release string, progress func(string)) error {
+	k.record("upgrade apply " + release)
+	return nil
+}
+
+func (k *kubeadmRecorder) UpgradeNode(ctx context.Context, kubeconfig string, progress func(string)) error {
+	k.record("upgrade node")
+	return nil
+}
+
+func (k *kubeadmRecorder) UpgradeAddons(ctx context.Context, kubeconfig, release string, progress func(string)) error {
+	k.record("upgrade addons " + release)
+	return nil
+}
+
 func (k *kubeadmRecorder) Reset(ctx context.Context, progress func(string)) error {
 	k.record("reset")
 	return nil

@@ -238,11 +238,12 @@ func (b *boot) seal(ctx context.Context) error {
 
 // startDuties starts the work that goes on while the node runs: a sealing worker's refresh of its seal, the
 // kubelet certificate's renewal where the join service signs it, a control-plane node's renewal of its
-// kubeadm certificates.
+// kubeadm certificates and its part in Kubernetes upgrades.
 func (b *boot) startDuties(ctx context.Context) error {
 	if b.self.Instance.Role == metadata.RoleControlPlane {
 		b.running.Go(func() { b.a.renewCertificates(ctx, b.self, b.log) })
-		b.duties++
+		b.running.Go(func() { b.a.upgradeKubernetes(ctx, b.self, b.log) })
+		b.duties += 2
 	}
 	if b.keeper != nil && b.self.Instance.Role != metadata.RoleControlPlane {
 		b.running.Go(func() { b.a.refreshSeal(ctx, b.jc, b.keeper, b.prepared.UUID) })

@@ -75,17 +75,23 @@ func (a *Agent) renewCertificates(ctx context.Context, self *metadata.Self, log 
 		CertDir:     paths.PKIDir(),
 		ManifestDir: filepath.Join(paths.KubernetesDir, "manifests"),
 		Kubeadm:     a.deps.Kubeadm,
-		Client: func() (kubernetes.Interface, error) {
-			server, err := localAPIServer(a.adminConf(), self.Instance.Addresses)
-			if err != nil {
-				return nil, err
-			}
-			return a.deps.KubeClient(a.adminConf(), server)
-		},
+		Client:      a.localAdminClient(self),
 		RenewBefore: a.cfg.CertificateRenewBefore.Duration,
 		Observer:    renewalObserver{a: a, log: log},
 		Logger:      log,
 	}).Run(ctx)
+}
+
+// localAdminClient connects to this control-plane node's own API server with admin.conf's current
+// credentials, anew at each call: renewals and upgrades replace the certificate it authenticates with.
+func (a *Agent) localAdminClient(self *metadata.Self) func() (kubernetes.Interface, error) {
+	return func() (kubernetes.Interface, error) {
+		server, err := localAPIServer(a.adminConf(), self.Instance.Addresses)
+		if err != nil {
+			return nil, err
+		}
+		return a.deps.KubeClient(a.adminConf(), server)
+	}
 }
 
 // renewalObserver passes a renewal on to the join service's credentials and to the metrics.
