@@ -108,6 +108,7 @@ func Serve(ctx context.Context, s Options, cfg joinservice.Config) error {
 		// A kubeadm control plane runs its API servers as static pods this service's credentials can list;
 		// beside an external control plane, the configured version stands for them.
 		cfg.APIServers = &joinservice.KubeAPIServers{Client: s.Kube}
+		cfg.UpgradeTarget = joinservice.KubeUpgradeTarget{Client: s.Kube}
 	}
 	disks := &joinservice.KubeDisks{Client: s.Kube, Records: records}
 	cfg.Disks = disks

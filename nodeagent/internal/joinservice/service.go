@@ -157,6 +157,9 @@ type Config struct {
 	KubernetesVersion string
 	// APIServers, if set, tells the releases the API servers run, which a joining node's image must suit.
 	APIServers APIServerVersions
+	// UpgradeTarget, if set, tells the release of an instructed upgrade, whose control-plane nodes join
+	// ahead of the API servers.
+	UpgradeTarget UpgradeTarget
 	// HeldBackRetry is how long a node held back for its Kubernetes release is asked to wait before it
 	// asks again; DefaultHeldBackRetry if zero.
 	HeldBackRetry time.Duration

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/version"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/metadata"
 )
@@ -50,6 +51,17 @@ func (s *Server) checkVersion(ctx context.Context, ex *exchange) error {
 		return s.refuse(ex.log, RefusedVersion, codes.FailedPrecondition, "Kubernetes version refused",
 			fmt.Errorf("image %q carries Kubernetes %s and the control plane runs %s: %w", ex.image, node, oldest, err))
 	}
+	if ahead > 0 && ex.instance.Role == metadata.RoleControlPlane {
+		admit, err := s.carriesUpgrade(ctx, node, oldest)
+		if err != nil {
+			return s.fail(ex.log, "reading the cluster's upgrade", err)
+		}
+		if admit {
+			ex.log.Info("control-plane node of the instructed upgrade's release admitted ahead of the API servers",
+				"kubernetes_version", node, "oldest_api_server", oldest)
+			return nil
+		}
+	}
 	if ahead > 0 {
 		err := s.refuse(ex.log, RefusedHeldBack, codes.Unavailable, "held back",
 			fmt.Errorf("image %q carries Kubernetes %s and the control plane runs %s: waiting for the control plane to reach %s, since the version skew policy lets no kubelet be newer than an API server",
@@ -72,6 +84,42 @@ func (s *Server) checkVersion(ctx context.Context, ex *exchange) error {
 				ex.image, node, newest, maxKubeletMinorsBehind))
 	}
 	return nil
+}
+
+// carriesUpgrade says whether a control-plane node of release node may join ahead of the oldest API server:
+// the provider instructed an upgrade to exactly that release, and the step to it from the oldest API server
+// is one kubeadm takes. Such a node joins at the cluster's release and then leads or follows the upgrade
+// (package kubeupgrade); without it, no API server would ever reach the release its workers wait for.
+func (s *Server) carriesUpgrade(ctx context.Context, node, oldest string) (bool, error) {
+	if s.cfg.UpgradeTarget == nil {
+		return false, nil
+	}
+	target, err := s.cfg.UpgradeTarget.UpgradeTarget(ctx)
+	if err != nil || target != node {
+		return false, err
+	}
+	_, err = kubeadm.UpgradeStep(oldest, target)
+	return err == nil, nil
+}
+
+// UpgradeTarget tells which Kubernetes release the provider told the cluster to upgrade to; "" for none.
+type UpgradeTarget interface {
+	UpgradeTarget(ctx context.Context) (string, error)
+}
+
+// KubeUpgradeTarget reads the target from the cluster record (clusterinfo.ReadUpgrade). Only a
+// control-plane node ahead of the API servers asks, so it is read each time, never cached.
+type KubeUpgradeTarget struct {
+	Client kubernetes.Interface
+}
+
+// UpgradeTarget implements UpgradeTarget.
+func (k KubeUpgradeTarget) UpgradeTarget(ctx context.Context) (string, error) {
+	u, err := clusterinfo.ReadUpgrade(ctx, k.Client)
+	if errors.Is(err, clusterinfo.ErrNotFound) {
+		return "", nil
+	}
+	return u.Target, err
 }
 
 // DefaultHeldBackRetry is Config.HeldBackRetry when zero: an upgrade of the control plane takes minutes,

@@ -27,6 +27,14 @@ type fixedVersions struct {
 
 func (f fixedVersions) APIServerVersions(context.Context) ([]string, error) { return f.vs, f.err }
 
+// fixedTarget is an instructed upgrade's release.
+type fixedTarget struct {
+	release string
+	err     error
+}
+
+func (f fixedTarget) UpgradeTarget(context.Context) (string, error) { return f.release, f.err }
+
 // TestCheckVersion: a node newer than the oldest API server waits (Unavailable, so it retries); a
 // control-plane node older than the newest, or a worker more than three minors older, is refused; what the
 // service cannot tell is not checked.
@@ -34,6 +42,7 @@ func TestCheckVersion(t *testing.T) {
 	for _, tt := range []struct {
 		name    string
 		servers APIServerVersions
+		target  UpgradeTarget
 		config  string // Config.KubernetesVersion
 		role    metadata.Role
 		node    string
@@ -74,6 +83,28 @@ func TestCheckVersion(t *testing.T) {
 			name: "another major", servers: fixedVersions{vs: []string{"v1.36.3"}}, role: metadata.RoleWorker, node: "v2.0.0",
 			code: codes.FailedPrecondition, reason: RefusedVersion, msg: "are of different major versions",
 		},
+		// The exception that lets an upgrade start: control-plane nodes of the instructed release.
+		{name: "control plane of the instructed release", servers: fixedVersions{vs: []string{"v1.36.3"}}, target: fixedTarget{release: "v1.37.0"},
+			role: metadata.RoleControlPlane, node: "v1.37.0"},
+		{name: "control plane of a newer patch, never held back", servers: fixedVersions{vs: []string{"v1.36.3", "v1.36.1"}}, target: fixedTarget{release: "v1.36.4"},
+			role: metadata.RoleControlPlane, node: "v1.36.4"},
+		{
+			name: "worker of the instructed release", servers: fixedVersions{vs: []string{"v1.36.3"}}, target: fixedTarget{release: "v1.37.0"},
+			role: metadata.RoleWorker, node: "v1.37.0", code: codes.Unavailable, reason: RefusedHeldBack, msg: "waiting for the control plane to reach v1.37",
+		},
+		{
+			name: "control plane of another release than the instructed", servers: fixedVersions{vs: []string{"v1.36.3"}}, target: fixedTarget{release: "v1.37.0"},
+			role: metadata.RoleControlPlane, node: "v1.37.1", code: codes.Unavailable, reason: RefusedHeldBack, msg: "waiting for the control plane",
+		},
+		{
+			name: "control plane of an instructed release two minors ahead of the oldest API server", servers: fixedVersions{vs: []string{"v1.37.0", "v1.36.3"}},
+			target: fixedTarget{release: "v1.38.0"}, role: metadata.RoleControlPlane, node: "v1.38.0", code: codes.Unavailable, reason: RefusedHeldBack,
+			msg: "the control plane runs v1.36.3",
+		},
+		{
+			name: "upgrade unreadable", servers: fixedVersions{vs: []string{"v1.36.3"}}, target: fixedTarget{err: errors.New("API server down")},
+			role: metadata.RoleControlPlane, node: "v1.37.0", code: codes.Unavailable, msg: "join service failed reading the cluster's upgrade; retry later",
+		},
 		{
 			name: "versions unreadable", servers: fixedVersions{err: errors.New("API server down")}, role: metadata.RoleWorker, node: "v1.36.3",
 			code: codes.Unavailable, msg: "join service failed reading the API servers' versions; retry later",
@@ -81,7 +112,7 @@ func TestCheckVersion(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rec := &recorded{}
-			s := &Server{cfg: Config{APIServers: tt.servers, KubernetesVersion: tt.config, Metrics: rec, HeldBackRetry: 30 * time.Second}}
+			s := &Server{cfg: Config{APIServers: tt.servers, UpgradeTarget: tt.target, KubernetesVersion: tt.config, Metrics: rec, HeldBackRetry: 30 * time.Second}}
 			log := slog.New(slog.DiscardHandler)
 			ex := &exchange{instance: &metadata.Instance{Name: "n", Role: tt.role}, image: "img", kubernetesVersion: tt.node, log: log}
 			err := s.checkVersion(context.Background(), ex)

@@ -99,7 +99,8 @@ func New(t testing.TB, opts ...Option) *Lab {
 		APIServerEndpoint: "127.0.0.1:6443",
 		KubernetesVersion: repotest.KubernetesVersion,
 		// As on a control-plane node: the API servers' releases from their pods, none until a test makes some.
-		APIServers: &joinservice.KubeAPIServers{Client: l.Kube},
+		APIServers:    &joinservice.KubeAPIServers{Client: l.Kube},
+		UpgradeTarget: joinservice.KubeUpgradeTarget{Client: l.Kube},
 		ControlPlaneFiles: func() ([]*berthv1.File, error) {
 			return []*berthv1.File{{Path: "ca.key", Content: []byte("lab CA key"), Mode: 0o600}}, nil
 		},

@@ -9,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/metadata"
 	"github.com/berthlabs/berth/internal/policy"
@@ -110,6 +111,31 @@ func TestJoinWaitsForControlPlaneVersion(t *testing.T) {
 	refusedJoin(ctx, t, lab, lab.AddNode("cp-2", metadata.RoleControlPlane), kubeadm,
 		"a control-plane node of v1.35.4 joined a control plane at v1.36.3",
 		`control-plane image \"old-control-plane\" carries Kubernetes v1.35.4 and the control plane runs v1.36.3`)
+
+	// A control-plane image of the next minor waits like a worker until the provider instructs the upgrade
+	// to its release; then it joins ahead of the API servers, to lead the upgrade.
+	lab.Policy.Set(&policy.Policy{Images: []policy.Image{
+		{Name: "next-control-plane", Roles: []metadata.Role{metadata.RoleControlPlane}, PCRs: pcrs, KubernetesVersion: "v1.37.0"},
+	}})
+	leader := lab.AddNode("cp-3", metadata.RoleControlPlane)
+	refusedJoin(ctx, t, lab, leader, kubeadm, "a control-plane node of v1.37.0 joined with no upgrade instructed",
+		`image \"next-control-plane\" carries Kubernetes v1.37.0 and the control plane runs v1.36.3: waiting for the control plane to reach v1.37`)
+	if err := clusterinfo.Publish(ctx, lab.Kube, clusterinfo.Info{ID: strings.Repeat("5e", 16), Name: "joinlab"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := clusterinfo.InstructUpgrade(ctx, lab.Kube, "v1.37.0", time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	prepared, err = leader.Disk.Prepare(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := lab.JoinClient(leader, kubeadm, &nodestate.Lock{}).Join(ctx, prepared); err != nil || st.NodeName != "cp-3" {
+		t.Fatal(lab.Logs.Logf("the join of the upgrade's control-plane node: %+v, %v", st, err))
+	}
+	if !strings.Contains(lab.Logs.String(), "control-plane node of the instructed upgrade's release admitted ahead of the API servers") {
+		t.Error(lab.Logs.Logf("the service does not log why it admitted a node ahead of the API servers"))
+	}
 }
 
 // retryWaits are the waits agent's join client logged before each retry of a join ticket.
