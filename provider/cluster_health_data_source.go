@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/berthlabs/berth/internal/backoff"
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/kubeadm"
 )
@@ -73,6 +74,13 @@ type clusterHealthModel struct {
 	KubernetesVersion      types.String `tfsdk:"kubernetes_version"`
 	APIServerVersions      types.Map    `tfsdk:"api_server_versions"`
 	KubeletVersions        types.Map    `tfsdk:"kubelet_versions"`
+	Upgrade                types.Object `tfsdk:"upgrade"`
+}
+
+// upgradeAttrTypes are the attributes of berth_cluster_health's upgrade.
+var upgradeAttrTypes = map[string]attr.Type{
+	"target": types.StringType, "phase": types.StringType, "node": types.StringType,
+	"time": types.StringType, "message": types.StringType,
 }
 
 func (d *clusterHealthDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
@@ -160,6 +168,21 @@ func (d *clusterHealthDataSource) Schema(_ context.Context, _ datasource.SchemaR
 				Computed:            true,
 				ElementType:         types.StringType,
 				MarkdownDescription: "Release of each node's kubelet, by node, as the node reports it.",
+			},
+			"upgrade": schema.SingleNestedAttribute{
+				Computed: true,
+				MarkdownDescription: "The Kubernetes upgrade the cluster was last told to make, as its record " +
+					"(`kube-system/berth-cluster`) keeps it: null when none was. See docs/kubernetes-upgrades.md.",
+				Attributes: map[string]schema.Attribute{
+					"target": schema.StringAttribute{Computed: true, MarkdownDescription: "The release the cluster is to run."},
+					"phase": schema.StringAttribute{Computed: true, MarkdownDescription: "`instructed` (no control-plane " +
+						"node has acted yet), `applying` (a node runs `kubeadm upgrade apply`), `applied` (kubeadm's " +
+						"configuration names the target; the other control-plane nodes and the roll follow), `addons` " +
+						"(every node runs the target; kube-proxy and CoreDNS follow) or `done`."},
+					"node":    schema.StringAttribute{Computed: true, MarkdownDescription: "The control-plane node that moved the upgrade to its phase."},
+					"time":    schema.StringAttribute{Computed: true, MarkdownDescription: "When it did (RFC 3339)."},
+					"message": schema.StringAttribute{Computed: true, MarkdownDescription: "The last failure of the phase's step, which its node retries; empty when none."},
+				},
 			},
 		},
 	}
@@ -532,10 +555,37 @@ func (d *clusterHealthDataSource) Read(ctx context.Context, req datasource.ReadR
 		resp.Diagnostics.Append(diags...)
 		tflog.Info(ctx, "Kubernetes versions", map[string]any{"cluster": release, "api_servers": apiServers, "kubelets": kubelets})
 	}
+	m.Upgrade = types.ObjectNull(upgradeAttrTypes)
+	if u, err := readUpgrade(ctx, d.kube); err != nil {
+		resp.Diagnostics.AddWarning("The cluster's upgrade was not read",
+			"berth_cluster_health found the cluster healthy but could not read the upgrade in its record, so upgrade is null: "+err.Error()+".")
+	} else if u.Target != "" {
+		at := ""
+		if !u.Time.IsZero() {
+			at = u.Time.UTC().Format(time.RFC3339)
+		}
+		m.Upgrade, diags = types.ObjectValue(upgradeAttrTypes, map[string]attr.Value{
+			"target": types.StringValue(u.Target), "phase": types.StringValue(string(u.Phase)), "node": types.StringValue(u.Node),
+			"time": types.StringValue(at), "message": types.StringValue(u.Message),
+		})
+		resp.Diagnostics.Append(diags...)
+		tflog.Info(ctx, "Kubernetes upgrade", map[string]any{"target": u.Target, "phase": string(u.Phase), "node": u.Node, "message": u.Message})
+	}
 	if resp.Diagnostics.HasError() {
 		return
 	}
 	resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
+}
+
+// readUpgrade reads the cluster record's upgrade; none for a cluster without a record.
+func readUpgrade(ctx context.Context, kube kubernetes.Interface) (clusterinfo.Upgrade, error) {
+	ctx, cancel := context.WithTimeout(ctx, healthLookTimeout)
+	defer cancel()
+	u, err := clusterinfo.ReadUpgrade(ctx, kube)
+	if errors.Is(err, clusterinfo.ErrNotFound) {
+		return clusterinfo.Upgrade{}, nil
+	}
+	return u, err
 }
 
 // readVersions reads the cluster's release from kubeadm's configuration ("" when kubeadm did not make it)

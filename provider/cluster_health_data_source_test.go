@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/diskrecord"
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/test/kubetest"
@@ -275,6 +277,17 @@ func putVersions(t *testing.T, kube kubernetes.Interface) {
 			t.Fatal(err)
 		}
 	}
+	info := clusterinfo.Info{ID: strings.Repeat("0a", 16), Name: "health"}
+	if err := clusterinfo.Publish(ctx, kube, info); err != nil {
+		t.Fatal(err)
+	}
+	u, err := clusterinfo.InstructUpgrade(ctx, kube, "v1.36.3", time.Date(2026, 11, 29, 7, 0, 0, 0, time.UTC))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := u.Record(ctx, kube, clusterinfo.PhaseApplied, "cp-0", "", time.Date(2026, 11, 29, 7, 5, 0, 0, time.UTC)); err != nil {
+		t.Fatal(err)
+	}
 	node, err := kube.CoreV1().Nodes().Get(ctx, "worker-0", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -520,6 +533,11 @@ data "berth_cluster_health" "this" {
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.%", "3"),
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.cp-0", "v1.36.3"),
 					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "kubelet_versions.worker-0", "v1.35.4"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "upgrade.target", "v1.36.3"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "upgrade.phase", "applied"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "upgrade.node", "cp-0"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "upgrade.time", "2026-11-29T07:05:00Z"),
+					resource.TestCheckResourceAttr("data.berth_cluster_health.this", "upgrade.message", ""),
 					func(*terraform.State) error {
 						if waited := time.Since(started); waited < 3*time.Second {
 							return fmt.Errorf("the step took %s: it did not wait for worker-1", waited)
