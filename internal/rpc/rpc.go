@@ -235,14 +235,20 @@ const (
 
 // RetryBusy runs attempt until it ends with anything but ErrBusy or ctx ends, waiting longer after each busy
 // answer (up to five seconds). busy, if set, hears of each busy answer before the wait. When ctx ends first,
-// the error is the last busy answer.
+// the error is the last busy answer, also when ctx ended during an attempt that followed one: the server
+// was busy all along, and saying only "deadline exceeded" would hide why.
 func RetryBusy[T any](ctx context.Context, attempt func() (T, error), busy func(attempt int, wait time.Duration)) (T, error) {
 	wait := busyRetryBase
+	var lastBusy error
 	for n := 1; ; n++ {
 		res, err := attempt()
 		if !IsBusy(err) {
+			if err != nil && lastBusy != nil && ctx.Err() != nil {
+				return res, fmt.Errorf("%w (asked %d times; the last attempt ran out of time: %w)", lastBusy, n, err)
+			}
 			return res, err
 		}
+		lastBusy = err
 		if busy != nil {
 			busy(n, wait)
 		}

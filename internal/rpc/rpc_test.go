@@ -400,3 +400,39 @@ func TestRecvCanceledWhileWaiting(t *testing.T) {
 	}
 	r.errs <- errors.New("stream closed")
 }
+
+func TestRetryBusyReportsBusyWhenTimeRunsOutInAnAttempt(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 700*time.Millisecond)
+	defer cancel()
+	attempts := 0
+	_, err := rpc.RetryBusy(ctx, func() (int, error) {
+		attempts++
+		if attempts == 1 {
+			return 0, rpc.ErrBusy
+		}
+		// The second attempt waits for a slot the way a busy server makes it wait, past the deadline.
+		<-ctx.Done()
+		return 0, status.FromContextError(ctx.Err()).Err()
+	}, nil)
+	if !rpc.IsBusy(err) {
+		t.Fatalf("error %v, want busy", err)
+	}
+	if attempts != 2 || !strings.Contains(err.Error(), "asked 2 times") || !strings.Contains(err.Error(), "deadline exceeded") {
+		t.Errorf("error %q after %d attempts, want the busy answer, the count and the cut-off attempt", err, attempts)
+	}
+}
+
+func TestRetryBusyKeepsOtherErrors(t *testing.T) {
+	refused := status.Error(codes.PermissionDenied, "refused")
+	attempts := 0
+	_, err := rpc.RetryBusy(t.Context(), func() (int, error) {
+		attempts++
+		if attempts == 1 {
+			return 0, rpc.ErrBusy
+		}
+		return 0, refused
+	}, nil)
+	if !errors.Is(err, refused) || rpc.IsBusy(err) {
+		t.Errorf("error %v, want the refusal as it was", err)
+	}
+}
