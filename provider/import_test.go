@@ -152,7 +152,7 @@ subjects:
 			step("berth_secrets.test", apiServer, testRoot(8), "Importing berth_secrets from "+apiServer+" failed", "is not of this root key's cluster"),
 			step("berth_cluster.test", clusterID, testRoot(8), "Importing berth_cluster from "+clusterID+" failed", "is not of this root key's cluster"),
 			imported("berth_secrets.test", apiServer, func(states []*terraform.InstanceState) error {
-				a := states[0].Attributes
+				a := stateOf(states, "berth_secrets").Attributes
 				for name, want := range map[string]string{
 					"cluster_id": id, "kubernetes_ca_certificate": string(kubeCA.CertPEM()),
 					"join_ca_certificate": string(joinCA.CertPEM()), "kubernetes_ca_pin": pki.SPKIPin(kubeCA.Cert),
@@ -166,7 +166,7 @@ subjects:
 				return nil
 			}),
 			imported("berth_cluster.test", clusterID, func(states []*terraform.InstanceState) error {
-				a := states[0].Attributes
+				a := stateOf(states, "berth_cluster").Attributes
 				for name, want := range map[string]string{
 					"cluster_id": id, "endpoint": "127.0.0.1:1", "cluster_name": "lab", "kubernetes_version": "v1.36.3",
 					"pod_network": "flannel", "api_server_endpoint": apiServer, "init_timeout": defaultInitTimeout,
@@ -253,6 +253,17 @@ subjects:
 			},
 		},
 	})
+}
+
+// stateOf picks the state of the resource type from what an import step checks: every resource in state,
+// in map order, the ones earlier steps imported included.
+func stateOf(states []*terraform.InstanceState, typ string) *terraform.InstanceState {
+	for _, s := range states {
+		if s.Ephemeral.Type == typ {
+			return s
+		}
+	}
+	return &terraform.InstanceState{}
 }
 
 // phrases matches each phrase (see phrase) in order, with anything between.
