@@ -53,6 +53,9 @@ import (
 
 const (
 	defaultInitTimeout = "15m"
+	// defaultUpgradeTimeout covers a rolling replacement of three control-plane instances, each booting,
+	// joining and upgrading (kubeadm upgrade apply takes minutes).
+	defaultUpgradeTimeout = "1h"
 	// progressTail is how many of kubeadm's last lines a failed init shows.
 	progressTail = 30
 	// probeTimeout bounds each look at a cluster during refresh.
@@ -93,6 +96,7 @@ type clusterModel struct {
 	KubernetesCAKeyWO       types.String `tfsdk:"kubernetes_ca_key_wo"`
 	JoinCAKeyWO             types.String `tfsdk:"join_ca_key_wo"`
 	InitTimeout             types.String `tfsdk:"init_timeout"`
+	UpgradeTimeout          types.String `tfsdk:"upgrade_timeout"`
 	ID                      types.String `tfsdk:"id"`
 	ClusterID               types.String `tfsdk:"cluster_id"`
 	APIServerEndpoint       types.String `tfsdk:"api_server_endpoint"`
@@ -126,15 +130,23 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"While the node's init server does not answer yet, each attempt and what it got is logged " +
 			"(`TF_LOG_PROVIDER=INFO`); so is kubeadm's output, as it arrives. A failed init shows kubeadm's last " +
 			"lines.\n\n" +
-			"What the node acted on when it ran `kubeadm init` (`endpoint`, `cluster_name`, `kubernetes_version`, " +
+			"What the node acted on when it ran `kubeadm init` (`endpoint`, `cluster_name`, " +
 			"`control_plane_endpoint`, `pod_subnet`, `service_subnet`, `pod_network`, `certificate_validity` and the two CA " +
 			"certificates) is fixed once " +
 			"the cluster exists: a plan that changes one of them fails, naming it, rather than planning a " +
 			"replacement, which would drop the running cluster and its admin kubeconfig from state before a new " +
-			"init. Kubernetes upgrades are not supported yet. For a new cluster with other settings, " +
+			"init. For a new cluster with other settings, " +
 			"`terraform state rm` this resource (the old cluster keeps running, unmanaged) and apply against a " +
 			"fresh node. `pcrs`, the TPM's trust (`ek_ca_certificates`, `aws`, `gcp`) and `init_timeout` matter " +
 			"only at init too, but changing them changes only state.\n\n" +
+			"`kubernetes_version`, which kubeadm initialized too, may change by one minor or a patch: that " +
+			"**upgrades** the cluster. " +
+			"The apply writes the new release into the cluster record (ConfigMap `kube-system/berth-cluster`) as " +
+			"the target, and waits up to `upgrade_timeout` until kubeadm's configuration and every API server " +
+			"run it, logging each step of the upgrade as it goes (`TF_LOG_PROVIDER=INFO`). The agents of " +
+			"control-plane nodes booted from an image of the target run `kubeadm upgrade`; nodes of older images " +
+			"are replaced by the roll of their groups. State keeps the old release until the control plane runs " +
+			"the new one. See docs/guides/upgrades.md.\n\n" +
 			"On refresh the provider asks the API server for the cluster's record (ConfigMap " +
 			"`kube-system/berth-cluster`). A cluster that is gone (the API server answers without the record, or " +
 			"a fresh node waits for init at `endpoint`) or that is another cluster (another ID, another CA) is " +
@@ -160,11 +172,11 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			},
 			"kubernetes_version": schema.StringAttribute{
 				Required: true,
-				MarkdownDescription: "Kubernetes release kubeadm initializes, with its `v`, such as `v1.36.3`: the one " +
-					"baked into the image (`data.berth_image` `components.kubernetes`). Kubernetes upgrades are not " +
-					"supported yet: a change is refused once the cluster exists, naming the rule of the version skew " +
-					"policy when the step is one no upgrade could take (a downgrade, a skipped minor), or the role the " +
-					"cluster's join policy allows no image of the new release for.",
+				MarkdownDescription: "Kubernetes release the cluster runs, with its `v`, such as `v1.36.3`: the one " +
+					"baked into the image (`data.berth_image` `components.kubernetes`), which kubeadm initializes. " +
+					"Changing it on a cluster that exists upgrades the cluster (see the resource's description): the " +
+					"plan refuses a step the version skew policy forbids (a downgrade, a skipped minor), naming the " +
+					"rule, and a release the cluster's join policy allows no image of for either role.",
 			},
 			"control_plane_endpoint": schema.StringAttribute{
 				Optional: true,
@@ -234,6 +246,12 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				MarkdownDescription: "How long the init may take, waiting for the node's init server included (a " +
 					"node created in the same run may still be booting), as a Go duration. Default `" +
 					defaultInitTimeout + "`.",
+			},
+			"upgrade_timeout": schema.StringAttribute{
+				Optional: true,
+				MarkdownDescription: "How long an apply that changes `kubernetes_version` waits for the control plane to " +
+					"run the new release, as a Go duration. Default `" + defaultUpgradeTimeout + "`. The upgrade goes on " +
+					"when the wait ends: apply again to wait again.",
 			},
 			"id": schema.StringAttribute{Computed: true, PlanModifiers: keep,
 				MarkdownDescription: "The cluster ID, the same as `cluster_id`."},
@@ -307,10 +325,16 @@ func (r *clusterResource) ValidateConfig(ctx context.Context, req resource.Valid
 					minCertificateValidity, maxCertificateValidity))
 		}
 	}
-	if known(m.InitTimeout) {
-		if d, err := time.ParseDuration(m.InitTimeout.ValueString()); err != nil || d <= 0 {
-			resp.Diagnostics.AddAttributeError(path.Root("init_timeout"), "Invalid timeout",
-				fmt.Sprintf("%q is not a positive Go duration such as 15m.", m.InitTimeout.ValueString()))
+	for _, a := range []struct {
+		name, example string
+		v             types.String
+	}{{"init_timeout", "15m", m.InitTimeout}, {"upgrade_timeout", "1h", m.UpgradeTimeout}} {
+		if !known(a.v) {
+			continue
+		}
+		if d, err := time.ParseDuration(a.v.ValueString()); err != nil || d <= 0 {
+			resp.Diagnostics.AddAttributeError(path.Root(a.name), "Invalid timeout",
+				fmt.Sprintf("%q is not a positive Go duration such as %s.", a.v.ValueString(), a.example))
 		}
 	}
 }
@@ -340,7 +364,17 @@ func (r *clusterResource) ModifyPlan(ctx context.Context, req resource.ModifyPla
 			resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("pod_network"), plan.PodNetwork)...)
 		}
 	}
-	refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state))
+	refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state), false)
+	if from, to := state.KubernetesVersion, plan.KubernetesVersion; known(to) && !to.Equal(from) && !resp.Diagnostics.HasError() {
+		resp.Diagnostics.AddAttributeWarning(path.Root("kubernetes_version"), "Kubernetes upgrade planned",
+			fmt.Sprintf("Applying writes %s as cluster %s's target (ConfigMap kube-system/%s) and waits up to "+
+				"upgrade_timeout (%s) until kubeadm's configuration and every API server run it. Control-plane nodes "+
+				"booted from an image of %s carry the upgrade out: roll the control-plane nodes to such an image in "+
+				"this apply or beside it. Workers of that image join once the control plane runs %s, and kube-proxy and "+
+				"CoreDNS follow once every node does. See docs/guides/upgrades.md.",
+				to.ValueString(), state.ClusterID.ValueString(), clusterinfo.Name, plan.upgradeTimeout(),
+				to.ValueString(), to.ValueString()))
+	}
 }
 
 // initSetting is an argument the node acted on when it ran kubeadm init.
@@ -371,9 +405,12 @@ func sameDuration(name string, a, b types.String) bool {
 }
 
 // refuseInitChanges adds an error on each init setting whose known value in plan differs from the
-// cluster's in state, saying why and what to do instead. missing tells the roles the cluster's join policy
-// has no image of a Kubernetes release for.
-func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics, missing func(release string) ([]metadata.Role, error)) {
+// cluster's in state, saying why and what to do instead; kubernetes_version may change by a step the
+// version skew policy allows to a release the join policy has images of. missing tells the roles the
+// cluster's join policy has no image of a Kubernetes release for; a policy that cannot be read is a warning
+// at plan and an error atApply, where the upgrade would be instructed, and one that is not there under its
+// default name a warning.
+func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics, missing func(release string) ([]metadata.Role, error), atApply bool) {
 	was := initSettings(state)
 	for i, now := range initSettings(plan) {
 		old := was[i].v
@@ -393,22 +430,31 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics, missi
 						cluster, settingValue(old), settingValue(now.v), err, settingValue(old)))
 				continue
 			}
-			// A policy that cannot be read says nothing here; the refusal below stands either way.
-			if roles, err := missing(to); err == nil && len(roles) > 0 {
+			roles, err := missing(to)
+			switch {
+			case errors.Is(err, errNoPolicy):
+				diags.AddAttributeWarning(path.Root(now.name), "Cannot check the join policy",
+					fmt.Sprintf("%v, where berth_join_policy keeps the policy unless its name is set: if the "+
+						"cluster's policy has another name, make sure it lists images of %s for both roles, with "+
+						"kubernetes_version; without one, no node of %s can join, and the upgrade cannot start.", err, to, to))
+			case err != nil && atApply:
+				diags.AddAttributeError(path.Root(now.name), "Cannot check the join policy",
+					fmt.Sprintf("%s runs Kubernetes %s; kubernetes_version is now %s, but the cluster's join policy "+
+						"could not be read to check that nodes of %s may join: %v. Nothing was changed; apply again "+
+						"once the API server at %s answers.", cluster, settingValue(old), settingValue(now.v), to, err,
+						state.APIServerEndpoint.ValueString()))
+			case err != nil:
+				diags.AddAttributeWarning(path.Root(now.name), "Cannot check the join policy",
+					fmt.Sprintf("The cluster's join policy could not be read to check that nodes of %s may join: %v. "+
+						"The apply checks it again before it instructs the upgrade.", to, err))
+			case len(roles) > 0:
 				diags.AddAttributeError(path.Root(now.name), "No image of the new Kubernetes release may join",
 					fmt.Sprintf("%s runs Kubernetes %s; kubernetes_version is now %s, but the cluster's join policy "+
 						"(ConfigMap kube-system/%s) allows no image of %s for %s: the nodes that would run it "+
 						"could not join. Add images of %s for both roles to berth_join_policy, with kubernetes_version "+
 						"from their manifest (data.berth_image.<name>.components[\"kubernetes\"]), and apply that first.",
 						cluster, settingValue(old), settingValue(now.v), policy.DefaultConfigMap, to, joinRoles(roles), to))
-				continue
 			}
-			diags.AddAttributeError(path.Root(now.name), "Kubernetes upgrades are not supported yet",
-				fmt.Sprintf("%s runs Kubernetes %s, which kubeadm initialized; kubernetes_version is now %s, a step the "+
-					"version skew policy allows, but Berth cannot upgrade a running cluster yet (docs/kubernetes-upgrades.md "+
-					"is the design), and replacing it would drop it, and its admin kubeconfig, from state before a new init "+
-					"failed. Keep kubernetes_version = %s. %s",
-					cluster, settingValue(old), settingValue(now.v), settingValue(old), newCluster))
 		case "kubernetes_ca_certificate", "join_ca_certificate":
 			diags.AddAttributeError(path.Root(now.name), "The cluster's CA cannot change",
 				fmt.Sprintf("%s was initialized with another %s: was berth_secrets made again from another root key? "+
@@ -430,6 +476,10 @@ func refuseInitChanges(state, plan *clusterModel, diags *diag.Diagnostics, missi
 	}
 }
 
+// errNoPolicy is a cluster without a join policy of the default name: it may have none (and admit no node),
+// or one berth_join_policy named otherwise, which the agents' configuration names (policyConfigMap).
+var errNoPolicy = fmt.Errorf("the cluster has no ConfigMap kube-system/%s", policy.DefaultConfigMap)
+
 // missingImagesIn is missingImages for the cluster of state, now.
 func missingImagesIn(ctx context.Context, state *clusterModel) func(release string) ([]metadata.Role, error) {
 	kubeconfig := state.Kubeconfig.ValueString()
@@ -446,6 +496,9 @@ func missingImages(ctx context.Context, kubeconfig, release string, now time.Tim
 		return nil, err
 	}
 	cm, err := kube.CoreV1().ConfigMaps(metav1.NamespaceSystem).Get(ctx, policy.DefaultConfigMap, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, errNoPolicy
+	}
 	if err != nil {
 		return nil, fmt.Errorf("reading the join policy: %w", err)
 	}
@@ -923,9 +976,10 @@ func anotherCluster(err error) bool {
 	return apierrors.IsUnauthorized(err) || errors.As(err, &unknownCA) || errors.As(err, &verify)
 }
 
-// Update changes only what needs no node: the measurements and the TPM's trust (used at init only) and the
-// timeout. An init setting that was not known at plan and turned out to differ is refused here, with the
-// cluster kept in state as it was.
+// Update changes what needs no node (the measurements and the TPM's trust, used at init only, and the
+// timeouts) and upgrades Kubernetes: a new kubernetes_version is written into the cluster record as the
+// target, and the update waits for the control plane to reach it. An init setting that was not known at
+// plan and turned out to differ is refused here, with the cluster kept in state as it was.
 func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
 	var plan, state clusterModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
@@ -936,11 +990,19 @@ func (r *clusterResource) Update(ctx context.Context, req resource.UpdateRequest
 	if state.PodNetwork.IsNull() {
 		state.PodNetwork = types.StringValue(podnetwork.None)
 	}
-	if refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state)); resp.Diagnostics.HasError() {
+	if refuseInitChanges(&state, &plan, &resp.Diagnostics, missingImagesIn(ctx, &state), true); resp.Diagnostics.HasError() {
 		return
 	}
+	if !plan.KubernetesVersion.Equal(state.KubernetesVersion) {
+		// State keeps the old release until the control plane runs the new one: an apply that gave up
+		// waiting plans the same upgrade again, and instructing it again leaves it where it stands.
+		if upgradeKubernetes(ctx, &state, plan.KubernetesVersion.ValueString(), plan.upgradeTimeout(), &resp.Diagnostics); resp.Diagnostics.HasError() {
+			return
+		}
+		state.KubernetesVersion = plan.KubernetesVersion
+	}
 	state.PCRs, state.Trust = plan.PCRs, plan.Trust
-	state.InitTimeout = plan.InitTimeout
+	state.InitTimeout, state.UpgradeTimeout = plan.InitTimeout, plan.UpgradeTimeout
 	// The same duration, perhaps spelt otherwise (after an import): the configuration's spelling.
 	state.CertificateValidity = plan.CertificateValidity
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)

@@ -71,10 +71,10 @@ func clusterArgs(endpoint, name, pcrs string) string {
 
 var zeroPCR11 = fmt.Sprintf(`{ "11" = %q }`, strings.Repeat("0", 64))
 
-// TestClusterResourceRefusals covers what berth_cluster refuses before it reaches a node: plan-time checks
-// of every argument, missing secrets, a node that never answers, and import.
-func TestClusterResourceRefusals(t *testing.T) {
-	t.Parallel()
+// clusterVars makes one swtpm CA and returns clusterConfig's variables for a root key: the key, and the
+// CA's bundle as the EK CA.
+func clusterVars(t *testing.T) func(root []byte) config.Variables {
+	t.Helper()
 	ca, err := swtpm.NewCA(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -83,10 +83,19 @@ func TestClusterResourceRefusals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vars := config.Variables{
-		"root_key": config.StringVariable(base64.StdEncoding.EncodeToString(make([]byte, 32))),
-		"ek_ca":    config.StringVariable(string(bundle)),
+	return func(root []byte) config.Variables {
+		return config.Variables{
+			"root_key": config.StringVariable(base64.StdEncoding.EncodeToString(root)),
+			"ek_ca":    config.StringVariable(string(bundle)),
+		}
 	}
+}
+
+// TestClusterResourceRefusals covers what berth_cluster refuses before it reaches a node: plan-time checks
+// of every argument, missing secrets, a node that never answers, and import.
+func TestClusterResourceRefusals(t *testing.T) {
+	t.Parallel()
+	vars := clusterVars(t)(make([]byte, 32))
 	good := clusterArgs("127.0.0.1:1", "lab", zeroPCR11)
 	planOnly := func(args, want string) resource.TestStep {
 		return resource.TestStep{Config: clusterConfig(args), ConfigVariables: vars, PlanOnly: true, ExpectError: regexp.MustCompile(want)}

@@ -292,9 +292,10 @@ func TestClusterPlanChecksVersionAndSubnets(t *testing.T) {
 }
 
 // TestClusterRefusesInitSettingChange initializes a cluster on a node with a real TPM (the test node), then
-// checks with the real terraform that a plan changing kubernetes_version or another init setting fails with
-// the reason and what to do, rather than planning a replacement, and that a change of what mattered only at
-// init (pcrs, init_timeout) plans an update in place and keeps the cluster.
+// checks with the real terraform that a plan changing an init setting, or kubernetes_version by a step the
+// version skew policy forbids, fails with the reason and what to do, rather than planning a replacement, and
+// that a change of what mattered only at init (pcrs, init_timeout) plans an update in place and keeps the
+// cluster. Upgrades themselves are TestClusterUpgrade's.
 func TestClusterRefusesInitSettingChange(t *testing.T) {
 	t.Parallel()
 	ca := swtpmtest.NewCA(t)
@@ -329,14 +330,21 @@ func TestClusterRefusesInitSettingChange(t *testing.T) {
 					resource.TestCheckResourceAttr("berth_cluster.test", "pod_network", "flannel"))
 				return s
 			}(),
-			refused(strings.Replace(args, `"v1.36.3"`, `"v1.37.0"`, 1), diagnostic("Error: Kubernetes upgrades are not supported yet",
-				`runs Kubernetes "v1.36.3", which kubeadm initialized; kubernetes_version is now "v1.37.0", a step the `+
-					`version skew policy allows, but Berth cannot upgrade a running cluster yet (docs/kubernetes-upgrades.md `+
-					`is the design), and replacing it would drop it, and its admin kubeconfig, from state before a new init `+
-					`failed. Keep kubernetes_version = "v1.36.3". For a new cluster with the new value, remove this one from `+
-					`state (terraform state rm`)),
-			refused(strings.Replace(args, `"v1.36.3"`, `"v1.36.4"`, 1), diagnostic("Error: Kubernetes upgrades are not supported yet",
-				`kubernetes_version is now "v1.36.4", a step the version skew policy allows`)),
+			// The next minor and a patch are steps the version skew policy allows. This cluster's API server
+			// does not answer: the plan cannot check the join policy and says so, and the apply refuses to
+			// instruct an upgrade it could not check, keeping the cluster as it was.
+			func() resource.TestStep {
+				s := step(strings.Replace(args, `"v1.36.3"`, `"v1.36.4"`, 1))
+				s.PlanOnly, s.ExpectNonEmptyPlan = true, true
+				return s
+			}(),
+			func() resource.TestStep {
+				s := step(strings.Replace(args, `"v1.36.3"`, `"v1.37.0"`, 1))
+				s.ExpectError = diagnostic("Error: Cannot check the join policy", `runs Kubernetes "v1.36.3"; kubernetes_version `+
+					`is now "v1.37.0", but the cluster's join policy could not be read to check that nodes of v1.37.0 may `+
+					`join: reading the join policy:`)
+				return s
+			}(),
 			refused(strings.Replace(args, `"v1.36.3"`, `"v1.38.0"`, 1), diagnostic("Error: Kubernetes version change not allowed",
 				`runs Kubernetes "v1.36.3"; kubernetes_version is now "v1.38.0": v1.36.3 to v1.38.0 skips a minor: kubeadm `+
 					`upgrades one minor at a time, so go to v1.37 first, then to v1.38. Keep kubernetes_version = "v1.36.3".`)),
