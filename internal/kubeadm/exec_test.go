@@ -9,11 +9,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/berthlabs/berth/internal/repotest"
 )
 
 // fakeKubeadm writes a shell script standing in for kubeadm and returns its
@@ -395,5 +398,44 @@ func TestExecVersion(t *testing.T) {
 				t.Errorf("Version = %q, %v; want %q", got, err, tt.want)
 			}
 		})
+	}
+}
+
+// TestExecUpgradeWithTheRealKubeadm runs the upgrade commands with the real kubeadm of the lab's release, on a
+// kubeconfig that does not exist. kubeadm parses every flag, phase and argument before it loads the
+// kubeconfig, so failing on the kubeconfig shows the command line is one it takes: an unknown flag or phase
+// command fails first, and differently; the phase skipped is one each command lists. What the commands do to
+// a cluster is the lab's to show.
+func TestExecUpgradeWithTheRealKubeadm(t *testing.T) {
+	bin := repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
+	e := &Exec{Binary: filepath.Join(bin, "kubeadm"), IgnorePreflightErrors: []string{"Swap"}}
+	release, err := e.Version(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig := filepath.Join(t.TempDir(), "admin.conf")
+	for name, run := range map[string]func() error{
+		"apply":  func() error { return e.UpgradeApply(t.Context(), kubeconfig, release, nil) },
+		"node":   func() error { return e.UpgradeNode(t.Context(), kubeconfig, nil) },
+		"addons": func() error { return e.UpgradeAddons(t.Context(), kubeconfig, release, nil) },
+	} {
+		err := run()
+		if err == nil || !strings.Contains(err.Error(), "failed to load admin kubeconfig: open "+kubeconfig) {
+			t.Errorf("%s: %v, want kubeadm to fail only on loading the missing kubeconfig", name, err)
+		}
+	}
+	// --skip-phases names are checked only once a cluster answers: the phase must be in the command's list.
+	for _, command := range []string{"apply", "node"} {
+		help, err := exec.Command(e.Binary, "upgrade", command, "--help").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !regexp.MustCompile(`(?m)^addon +Upgrade the default kubeadm addons$`).Match(help) {
+			t.Errorf("kubeadm upgrade %s has no phase addon to skip; its help:\n%s", command, help)
+		}
+	}
+	bad := exec.Command(e.Binary, "upgrade", "node", "--kubeconfig", kubeconfig, "--skip-phases=addon", "--no-such-flag")
+	if out, err := bad.CombinedOutput(); err == nil || !strings.Contains(string(out), "unknown flag: --no-such-flag") {
+		t.Errorf("kubeadm with an unknown flag: %v\n%s\nwant it refused before the kubeconfig is loaded", err, out)
 	}
 }
