@@ -155,7 +155,8 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"Import (after Terraform state was lost) takes `<endpoint>` as ID, or `<endpoint>,<API server " +
 			"host:port>` for a cluster with a `control_plane_endpoint`, and the root key from the provider's " +
 			"`root_key`. The provider reaches the API server with admin credentials it mints from the root key, " +
-			"checks that the cluster is the root key's, and reads the init settings from the cluster record; " +
+			"checks that the cluster is the root key's, and reads the init settings from the cluster record and " +
+			"the release the cluster runs from kubeadm's configuration; " +
 			"what only the init used (`pcrs`, the TPM's trust) is written into state by the first apply after " +
 			"the import, which reaches no node. See the import guide.\n\n" +
 			"Destroying the resource only removes it from state: the machines belong to the infrastructure " +
@@ -1079,7 +1080,7 @@ func (r *clusterResource) ImportState(ctx context.Context, req resource.ImportSt
 	for name, v := range map[string]types.String{
 		"endpoint":                  types.StringValue(endpoint),
 		"cluster_name":              types.StringValue(c.record.Name),
-		"kubernetes_version":        types.StringValue(settings.KubernetesVersion),
+		"kubernetes_version":        types.StringValue(c.release),
 		"control_plane_endpoint":    optional(settings.ControlPlaneEndpoint),
 		"pod_subnet":                optional(settings.PodSubnet),
 		"service_subnet":            optional(settings.ServiceSubnet),

@@ -195,9 +195,10 @@ func (c controlPlane) lead(target string) error {
 }
 
 // TestClusterUpgrade upgrades an imported cluster with the real terraform against a real kube-apiserver, a
-// goroutine doing what the control-plane agents do: an apply that no node answers writes the target, waits for upgrade_timeout and fails saying where the
-// upgrade stands, keeping the old release in state; the next apply, with a node leading, waits until
-// kubeadm's configuration and every API server run the target, and only then writes it into state.
+// goroutine doing what the control-plane agents do: an apply that no node answers writes the target, waits
+// for upgrade_timeout and fails saying where the upgrade stands, keeping the old release in state; the next
+// apply, with a node leading, waits until kubeadm's configuration and every API server run the target, and
+// only then writes it into state. An import after it takes the release the cluster runs.
 func TestClusterUpgrade(t *testing.T) {
 	t.Parallel()
 	root := testRoot(9)
@@ -260,6 +261,14 @@ func TestClusterUpgrade(t *testing.T) {
 				),
 			},
 			{Config: upgraded, ConfigVariables: vars, PlanOnly: true},
+			// Imported again, the cluster has the release it runs, not its init's (the record still says v1.36.3).
+			{Config: upgraded, ConfigVariables: vars, ResourceName: "berth_cluster.test", ImportState: true,
+				ImportStateId: "127.0.0.1:1," + c.apiServer, ImportStateCheck: func(states []*terraform.InstanceState) error {
+					if v := stateOf(states, "berth_cluster").Attributes["kubernetes_version"]; v != "v1.37.0" {
+						return fmt.Errorf("imported kubernetes_version %q, want v1.37.0", v)
+					}
+					return nil
+				}},
 		},
 	})
 }

@@ -45,6 +45,8 @@ type importedCluster struct {
 	secrets        *clustersecrets.Secrets
 	record         clusterinfo.Info
 	kubeCA, joinCA *pki.CA
+	// release is the Kubernetes release the cluster runs: the init's, or the one an upgrade took it to.
+	release string
 }
 
 // importRootKey is the provider's root_key, or a diagnostic that says how to give it.
@@ -121,7 +123,16 @@ func readImportedCluster(ctx context.Context, rootKey, apiServer string) (*impor
 	if err != nil {
 		return nil, fmt.Errorf("the cluster's CA certificates: %w", err)
 	}
-	return &importedCluster{secrets: secrets, record: record, kubeCA: kubeCA, joinCA: joinCA}, nil
+	// After an upgrade the cluster runs another release than the init did: kubeadm's configuration, which
+	// `kubeadm upgrade apply` raises, says which. A state with the init's would plan the upgrade again, or,
+	// two minors on, refuse the configuration's release as a skipped minor.
+	release := record.Init.KubernetesVersion
+	if current, found, err := kubeadm.ClusterRelease(ctx, kube); err != nil {
+		return nil, err
+	} else if found && current != "" {
+		release = current
+	}
+	return &importedCluster{secrets: secrets, record: record, kubeCA: kubeCA, joinCA: joinCA, release: release}, nil
 }
 
 // clusterImportID takes berth_cluster's import ID apart: "<endpoint>" when the API server listens on the
