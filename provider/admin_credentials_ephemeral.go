@@ -230,35 +230,18 @@ func (e *adminCredentialsEphemeralResource) Open(ctx context.Context, req epheme
 			"kubernetes_ca_certificate must be berth_secrets' kubernetes_ca_certificate: "+err.Error())
 		return
 	}
-	key, err := pki.NewKey()
+	admin, err := mintAdmin(ca, r, time.Now())
 	if err != nil {
-		resp.Diagnostics.AddError("Making the admin key", err.Error())
+		resp.Diagnostics.AddError("Minting admin credentials failed", err.Error())
 		return
 	}
-	cert, err := ca.IssueClient(pki.ClientTemplate{CommonName: r.user, Organization: []string{adminGroup}}, key.Public(), time.Now(), r.validity)
-	if err != nil {
-		resp.Diagnostics.AddError("Minting the admin certificate", err.Error())
-		return
-	}
-	certPEM := pki.EncodeCertPEM(cert)
-	keyPEM, err := pki.EncodeKeyPEM(key)
-	if err != nil {
-		resp.Diagnostics.AddError("Encoding the admin key", err.Error())
-		return
-	}
-	caPEM := ca.CertPEM()
-	kubeconfig, err := adminKubeconfig(r, caPEM, certPEM, keyPEM)
-	if err != nil {
-		resp.Diagnostics.AddError("Writing the admin kubeconfig", err.Error())
-		return
-	}
-	expires := cert.NotAfter.UTC().Format(time.RFC3339)
+	expires := admin.notAfter.UTC().Format(time.RFC3339)
 	tflog.Info(ctx, "minted admin credentials", map[string]any{"user": r.user, "group": adminGroup, "host": r.host, "expires_at": expires})
 	m.Host = types.StringValue(r.host)
-	m.ClusterCACertificate = types.StringValue(string(caPEM))
-	m.ClientCertificate = types.StringValue(string(certPEM))
-	m.ClientKey = types.StringValue(string(keyPEM))
-	m.Kubeconfig = types.StringValue(string(kubeconfig))
+	m.ClusterCACertificate = types.StringValue(string(ca.CertPEM()))
+	m.ClientCertificate = types.StringValue(string(admin.certPEM))
+	m.ClientKey = types.StringValue(string(admin.keyPEM))
+	m.Kubeconfig = types.StringValue(string(admin.kubeconfig))
 	m.ExpiresAt = types.StringValue(expires)
 	resp.Diagnostics.Append(resp.Result.Set(ctx, &m)...)
 }
@@ -290,6 +273,35 @@ func kubernetesCA(rootKey, certPEM string) (*pki.CA, error) {
 		return nil, fmt.Errorf("certificate %q is not a CA certificate", cert.Subject.CommonName)
 	}
 	return &pki.CA{Cert: cert, Key: secrets.KubernetesCAKey}, nil
+}
+
+// adminCredentials are a minted admin certificate, its key, and a kubeconfig with both.
+type adminCredentials struct {
+	kubeconfig, certPEM, keyPEM []byte
+	notAfter                    time.Time
+}
+
+// mintAdmin issues from ca, at now, a client certificate for r's user in adminGroup (bound to cluster-admin)
+// and writes it into a kubeconfig for r's host.
+func mintAdmin(ca *pki.CA, r adminRequest, now time.Time) (adminCredentials, error) {
+	key, err := pki.NewKey()
+	if err != nil {
+		return adminCredentials{}, fmt.Errorf("making the admin key: %w", err)
+	}
+	cert, err := ca.IssueClient(pki.ClientTemplate{CommonName: r.user, Organization: []string{adminGroup}}, key.Public(), now, r.validity)
+	if err != nil {
+		return adminCredentials{}, fmt.Errorf("issuing the admin certificate: %w", err)
+	}
+	certPEM := pki.EncodeCertPEM(cert)
+	keyPEM, err := pki.EncodeKeyPEM(key)
+	if err != nil {
+		return adminCredentials{}, fmt.Errorf("encoding the admin key: %w", err)
+	}
+	kubeconfig, err := adminKubeconfig(r, ca.CertPEM(), certPEM, keyPEM)
+	if err != nil {
+		return adminCredentials{}, fmt.Errorf("writing the admin kubeconfig: %w", err)
+	}
+	return adminCredentials{kubeconfig: kubeconfig, certPEM: certPEM, keyPEM: keyPEM, notAfter: cert.NotAfter}, nil
 }
 
 func adminKubeconfig(r adminRequest, caPEM, certPEM, keyPEM []byte) ([]byte, error) {

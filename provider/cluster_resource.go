@@ -152,6 +152,11 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"a fresh node waits for init at `endpoint`) or that is another cluster (another ID, another CA) is " +
 			"removed from state, so the next apply plans a new init. An API server that does not answer is kept, " +
 			"with a warning: an outage must never plan a new cluster.\n\n" +
+			"The admin kubeconfig in state ends when kubeadm's `admin.conf` does (a year, or `certificate_validity`). " +
+			"Within 30 days of its end, a refresh with the provider's `root_key` set mints a new one (user `" +
+			defaultAdminUser + "`), and without it warns. A kubeconfig that has ended is refused by the API server " +
+			"as another cluster's credentials are; the refresh then keeps the cluster in state as it was, with a " +
+			"warning, rather than take it for gone.\n\n" +
 			"Import (after Terraform state was lost) takes `<endpoint>` as ID, or `<endpoint>,<API server " +
 			"host:port>` for a cluster with a `control_plane_endpoint`, and the root key from the provider's " +
 			"`root_key`. The provider reaches the API server with admin credentials it mints from the root key, " +
@@ -264,7 +269,9 @@ func (r *clusterResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"kubeconfig": schema.StringAttribute{Computed: true, Sensitive: true, PlanModifiers: keep,
 				MarkdownDescription: "The admin kubeconfig kubeadm wrote (group `kubeadm:cluster-admins`, bound to " +
 					"`cluster-admin`), or after an import one the provider minted from the root key for a year " +
-					"(user `" + defaultAdminUser + "`, the same group; no longer than the CA). Sensitive, and kept in state: protect the state, or use " +
+					"(user `" + defaultAdminUser + "`, the same group; no longer than the CA), renewed the same way by a " +
+					"refresh within 30 days of its end when the provider has `root_key`. Sensitive, and kept in state: " +
+					"protect the state, or use " +
 					"`ephemeral.berth_admin_credentials`, which mints short-lived admin credentials at each run and " +
 					"stores none."},
 			"client_certificate": schema.StringAttribute{Computed: true, PlanModifiers: keep,
@@ -881,6 +888,7 @@ func addInitError(diags *diag.Diagnostics, endpoint string, err error, tail []st
 }
 
 type kubeCredentials struct {
+	server                 string
 	caPEM, certPEM, keyPEM []byte
 }
 
@@ -898,7 +906,8 @@ func parseKubeconfig(data []byte) (*kubeCredentials, error) {
 	if cluster == nil || auth == nil || len(cluster.CertificateAuthorityData) == 0 || len(auth.ClientCertificateData) == 0 || len(auth.ClientKeyData) == 0 {
 		return nil, errors.New("its kubeconfig lacks embedded CA data or client credentials")
 	}
-	return &kubeCredentials{caPEM: cluster.CertificateAuthorityData, certPEM: auth.ClientCertificateData, keyPEM: auth.ClientKeyData}, nil
+	return &kubeCredentials{server: cluster.Server, caPEM: cluster.CertificateAuthorityData, certPEM: auth.ClientCertificateData,
+		keyPEM: auth.ClientKeyData}, nil
 }
 
 // Read checks that the API server behind the kubeconfig is still this cluster. See the resource's
@@ -909,15 +918,31 @@ func (r *clusterResource) Read(ctx context.Context, req resource.ReadRequest, re
 	if resp.Diagnostics.HasError() {
 		return
 	}
+	var rootKey string
+	if r.data != nil {
+		rootKey = r.data.rootKey
+	}
+	renewed, expired, warning := renewAdmin(ctx, &m, rootKey, time.Now())
+	if warning != "" {
+		resp.Diagnostics.AddWarning("Admin kubeconfig of cluster "+m.ClusterID.ValueString()+" not renewed", warning)
+	}
+	if expired {
+		// The API server refuses an ended certificate as it refuses another cluster's: that says nothing.
+		return
+	}
 	switch verdict, why := checkCluster(ctx, m); verdict {
 	case clusterGone:
 		resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" is gone",
 			why+" It is removed from state; the next apply initializes a new cluster at "+m.Endpoint.ValueString()+".")
 		resp.State.RemoveResource(ctx)
+		return
 	case clusterSilent:
 		resp.Diagnostics.AddWarning("Cluster "+m.ClusterID.ValueString()+" did not answer",
 			why+" The cluster stays in state as it was. If its machines are gone for good, initialize a new one "+
 				"with: terraform apply -replace=<this resource's address>.")
+	}
+	if renewed {
+		resp.Diagnostics.Append(resp.State.Set(ctx, &m)...)
 	}
 }
 
@@ -1050,23 +1075,7 @@ func (r *clusterResource) ImportState(ctx context.Context, req resource.ImportSt
 	// A certificate cannot outlive its CA.
 	validity := min(importedKubeconfigValidity, c.kubeCA.Cert.NotAfter.Sub(now).Truncate(time.Hour))
 	admin := adminRequest{host: "https://" + settings.APIServerEndpoint, user: defaultAdminUser, validity: validity}
-	key, err := pki.NewKey()
-	if err != nil {
-		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
-		return
-	}
-	cert, err := c.kubeCA.IssueClient(pki.ClientTemplate{CommonName: admin.user, Organization: []string{adminGroup}}, key.Public(), now, admin.validity)
-	if err != nil {
-		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
-		return
-	}
-	certPEM := pki.EncodeCertPEM(cert)
-	keyPEM, err := pki.EncodeKeyPEM(key)
-	if err != nil {
-		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
-		return
-	}
-	kubeconfig, err := adminKubeconfig(admin, c.kubeCA.CertPEM(), certPEM, keyPEM)
+	creds, err := mintAdmin(c.kubeCA, admin, now)
 	if err != nil {
 		importError(&resp.Diagnostics, "berth_cluster", req.ID, err)
 		return
@@ -1092,12 +1101,12 @@ func (r *clusterResource) ImportState(ctx context.Context, req resource.ImportSt
 		"id":                        types.StringValue(c.record.ID),
 		"cluster_id":                types.StringValue(c.record.ID),
 		"api_server_endpoint":       types.StringValue(settings.APIServerEndpoint),
-		"kubeconfig":                types.StringValue(string(kubeconfig)),
-		"client_certificate":        types.StringValue(string(certPEM)),
-		"client_key":                types.StringValue(string(keyPEM)),
+		"kubeconfig":                types.StringValue(string(creds.kubeconfig)),
+		"client_certificate":        types.StringValue(string(creds.certPEM)),
+		"client_key":                types.StringValue(string(creds.keyPEM)),
 	} {
 		resp.Diagnostics.Append(resp.State.SetAttribute(ctx, path.Root(name), v)...)
 	}
 	tflog.Info(ctx, "imported berth_cluster", map[string]any{"cluster_id": c.record.ID, "api_server": apiServer,
-		"admin_certificate_expires_at": cert.NotAfter.UTC().Format(time.RFC3339)})
+		"admin_certificate_expires_at": creds.notAfter.UTC().Format(time.RFC3339)})
 }

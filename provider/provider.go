@@ -66,7 +66,8 @@ func (p *berthProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp
 				Optional:  true,
 				Sensitive: true,
 				MarkdownDescription: "The cluster's root key, for importing `berth_secrets` and `berth_cluster` " +
-					"after Terraform state was lost; nothing else reads it. Pass it from an `ephemeral` variable or " +
+					"after Terraform state was lost, and for renewing the admin kubeconfig in `berth_cluster`'s state " +
+					"before it ends; nothing else reads it. Pass it from an `ephemeral` variable or " +
 					"an ephemeral read of the secret store that keeps it: provider configuration is never stored " +
 					"in state or plan. An import ID cannot carry it, because Terraform prints import IDs.",
 			},
