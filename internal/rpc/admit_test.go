@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"sync"
@@ -86,13 +87,13 @@ func exchange(ctx context.Context, c berthv1.JoinServiceClient, disk string) err
 	if err != nil {
 		return err
 	}
-	if err := st.Send(&berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{DiskUuid: disk}}}); err != nil {
+	// A server that refused the stream at once may have closed it before the request went out: the refusal
+	// is then Recv's, as gRPC has it.
+	if err := st.Send(&berthv1.JoinClientMessage{Msg: &berthv1.JoinClientMessage_Join{Join: &berthv1.JoinRequest{DiskUuid: disk}}}); err != nil && !errors.Is(err, io.EOF) {
 		return err
 	}
-	if _, err := st.Recv(); err != nil {
-		return err
-	}
-	return nil
+	_, err = st.Recv()
+	return err
 }
 
 // rawConn is a TCP connection to addr from the loopback address from, that sends nothing.
