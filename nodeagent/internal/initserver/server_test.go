@@ -597,7 +597,9 @@ func TestInit(t *testing.T) {
 				t.Fatalf("want evidence, got %v, %v", msg, err)
 			}
 			cfg := n.client(f, f.request(t), new([]string))
-			cfg.Timeout = 2 * time.Second
+			// Long enough for a first busy answer on a loaded machine: each attempt proves the init secret
+			// (a memory-hard hash) before it waits for the slot.
+			cfg.Timeout = 8 * time.Second
 			busy := 0
 			cfg.Busy = func(int, time.Duration) { busy++ }
 			_, err := initclient.Init(ctx, cfg)
