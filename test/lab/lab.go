@@ -51,7 +51,6 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/swtpm"
 )
 
@@ -65,9 +64,6 @@ const (
 	joinPort     = 7450
 	initPort     = 7451
 )
-
-// KubernetesVersion is what the lab runs.
-const KubernetesVersion = repotest.KubernetesVersion
 
 // The lab's network: the host's side of the bridge, and where its metadata service listens.
 var (
@@ -95,9 +91,10 @@ type HostConfig struct {
 	// GCPConfig); with neither, nodes read the lab's own metadata service.
 	AWS *AWSConfig
 	GCP *GCPConfig
-	// ImageDir holds the nodes' container images: the first lab that names it makes them there from
-	// KubeBin's binaries, and every later one loads them from there (a test process that brings up many
-	// labs makes them once; one directory serves one KubeBin). Empty: the lab's own directory.
+	// ImageDir holds the nodes' container images, each Kubernetes release's in a directory of its own: the
+	// first lab of a release that names it makes them there from KubeBin's binaries, and every later one
+	// loads them from there (a test process that brings up many labs makes them once). Empty: the lab's own
+	// directory.
 	ImageDir string
 	Progress io.Writer
 	// CertificateValidity, if set, is how long kubeadm's control-plane certificates last (berth_cluster's
@@ -164,6 +161,12 @@ type hostState struct {
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
+
+// KubernetesVersion is the release the lab runs: its kubeadm's, which its images and manifest follow.
+func (l *Lab) KubernetesVersion() string { return l.images.Kubernetes }
+
+// CoreDNSImage is the name kubeadm of the lab's release gives CoreDNS's image.
+func (l *Lab) CoreDNSImage() string { return l.images.image(coreDNSRepository) }
 
 // ManifestPath is the lab's berth-image.json, for Terraform's berth_image data source.
 func (l *Lab) ManifestPath() string { return l.path(manifestFile) }
@@ -291,7 +294,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if err := os.WriteFile(l.EKCAPath(), bundle, 0o644); err != nil {
 		return err
 	}
-	if err := writeJSON(l.ManifestPath(), imageManifest()); err != nil {
+	if err := writeJSON(l.ManifestPath(), imageManifest(l.KubernetesVersion())); err != nil {
 		return err
 	}
 	doc := &metadata.Document{Instances: []metadata.Instance{}}
@@ -604,7 +607,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			InitSecret: []byte(s.initSecret), MasterSecret: s.master, Salt: s.salt,
 			KubernetesCaCertificate: s.kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: s.joinCA.CertPEM(), JoinCaKey: joinKey,
-			ClusterName: ClusterName, KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
+			ClusterName: ClusterName, KubernetesVersion: l.KubernetesVersion(), JoinPolicy: pol,
 			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"), PodNetwork: podnetwork.Flannel,
 			CertificateValiditySeconds: int64(l.cfg.CertificateValidity / time.Second),
 		},

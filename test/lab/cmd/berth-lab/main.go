@@ -266,7 +266,7 @@ func e2eImages(ctx context.Context, dir, bin, k8sSource string) error {
 		return err
 	}
 	l.Progress = os.Stdout
-	images, err := lab.BuildE2EImages(ctx, bin, k8sSource, filepath.Join(dir, "e2e-images"))
+	images, err := l.BuildE2EImages(ctx, bin, k8sSource, filepath.Join(dir, "e2e-images"))
 	if err != nil {
 		return err
 	}
