@@ -155,6 +155,7 @@ type hostState struct {
 	KubeBin     string     `json:"kubeBin"`
 	AgentBinary string     `json:"agentBinary"`
 	LabBinary   string     `json:"labBinary"`
+	ImageDir    string     `json:"imageDir"`
 	Images      imageSet   `json:"images"`
 	AWS         *AWSConfig `json:"aws,omitempty"`
 	GCP         *GCPConfig `json:"gcp,omitempty"`
@@ -225,6 +226,12 @@ func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 		}
 		*p = abs
 	}
+	if cfg.ImageDir != "" {
+		var err error
+		if cfg.ImageDir, err = filepath.Abs(cfg.ImageDir); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.AWS != nil {
 		if cfg.AWS.IMDSMock == "" {
 			return nil, errors.New("an AWS lab needs the ec2-metadata-mock binary (scripts/build-imds-mock.sh)")
@@ -274,13 +281,12 @@ func (l *Lab) startHost(ctx context.Context) error {
 			return err
 		}
 	}
-	imageDir := l.cfg.ImageDir
-	if imageDir == "" {
-		imageDir = l.path("images")
+	if l.cfg.ImageDir == "" {
+		l.cfg.ImageDir = l.path("images")
 	}
-	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, Flannel, test workloads", imageDir)
+	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, Flannel, test workloads", l.cfg.ImageDir)
 	var err error
-	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, imageDir); err != nil {
+	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, l.cfg.ImageDir); err != nil {
 		return fmt.Errorf("images: %w", err)
 	}
 	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(ImageNames, ", "))
@@ -308,7 +314,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 		return err
 	}
 	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
-		LabBinary: l.cfg.LabBinary, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
+		LabBinary: l.cfg.LabBinary, ImageDir: l.cfg.ImageDir, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
 }
 
 // Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
@@ -332,7 +338,7 @@ func Open(dir string) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, AWS: st.AWS, GCP: st.GCP},
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, ImageDir: st.ImageDir, AWS: st.AWS, GCP: st.GCP},
 		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
 	doc, err := readDocument(l.path(documentFile))
 	if err != nil {
