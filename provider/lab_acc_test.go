@@ -105,7 +105,7 @@ resource "terraform_data" "machine" {
 resource "berth_cluster" "lab" {
   endpoint           = "10.250.0.10:7451"
   cluster_name       = "berthlab"
-  kubernetes_version = "v1.36.3"
+  kubernetes_version = data.berth_image.a.components["kubernetes"]
   pcrs               = data.berth_image.a.pcrs
   ek_ca_certificates = file("${var.lab_dir}/ek-ca.pem")
 

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes and etcd binaries the real-cluster lab runs, from the versions pinned in
-# test/k8stools/go.mod, CoreDNS from test/corednstools/go.mod and flanneld from test/flanneltools/go.mod,
-# into a cache keyed by the Kubernetes and etcd versions:
+# test/k8stools/go.mod (or the tools module --module names, relative to the repository: test/k8sprevtools
+# pins the minor release before, for upgrades), CoreDNS from test/corednstools/go.mod and flanneld from
+# test/flanneltools/go.mod, into a cache keyed by the Kubernetes and etcd versions:
 #   ${BERTH_CACHE:-$HOME/.cache/berth}/k8s/<kubernetes>-etcd-<etcd>/bin/
 # Binaries already there are kept unless --force is given or the build settings changed. Progress goes to
 # stderr; the only line on stdout is the bin directory, so callers can run bin=$(scripts/build-k8s.sh).
 set -euo pipefail
 
 usage() {
-	echo "usage: $0 [--force]" >&2
+	echo "usage: $0 [--force] [--module DIR]" >&2
 	exit 2
 }
 
 force=false
-for arg in "$@"; do
-	case "$arg" in
+module=test/k8stools
+while [ $# -gt 0 ]; do
+	case "$1" in
 	--force) force=true ;;
+	--module)
+		[ $# -ge 2 ] || usage
+		module="$2"
+		shift
+		;;
 	*) usage ;;
 	esac
+	shift
 done
 
 log() { echo "build-k8s: $*" >&2; }
@@ -28,17 +36,21 @@ elapsed() {
 	printf '%d.%ds' $((us / 1000000)) $((us % 1000000 / 100000))
 }
 
-module_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/../test/k8stools" && pwd)"
-cd "$module_dir"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ ! -f "$root/$module/go.mod" ]; then
+	log "--module $module: no go.mod in $root/$module"
+	exit 2
+fi
+cd "$root/$module"
 
 # The versions come from go.mod so the cache key cannot drift from what is built. The module's commit
 # time stands in for the build date, as SOURCE_DATE_EPOCH does in upstream builds: same input, same binary.
 k8s_info=$(go list -m -f '{{.Version}} {{.Time.UTC.Format "2006-01-02T15:04:05Z"}}' k8s.io/kubernetes)
 read -r k8s_version k8s_date <<<"$k8s_info"
 etcd_version=$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)
-coredns_module_dir="$module_dir/../corednstools"
+coredns_module_dir="$root/test/corednstools"
 coredns_version=$(go -C "$coredns_module_dir" list -m -f '{{.Version}}' github.com/coredns/coredns)
-flannel_module_dir="$module_dir/../flanneltools"
+flannel_module_dir="$root/test/flanneltools"
 flannel_version=$(go -C "$flannel_module_dir" list -m -f '{{.Version}}' github.com/flannel-io/flannel)
 if [[ ! "$k8s_version" =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+$ ]]; then
 	log "k8s.io/kubernetes is pinned to $k8s_version, want a release version vX.Y.Z"

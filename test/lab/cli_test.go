@@ -67,7 +67,11 @@ func TestLabCLI(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%s: %v", manifestPath, err)
 	}
-	checkManifest(t, m)
+	release, _, err := kubeadmImages(ctx, kubeBin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkManifest(t, m, release)
 
 	secret, err := initsecret.NewSecret()
 	if err != nil {

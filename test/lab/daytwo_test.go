@@ -247,7 +247,8 @@ func notInLog(t *testing.T, n *Node, mark int64, text string) {
 // control-plane node and a worker reboot into B and come back (the control-plane node from its TPM, since it
 // resealed to the new policy while it ran), then the policy drops A. A worker that boots A again can neither
 // unseal its key (the refusal names PCR 11, expected and got) nor get a rejoin ticket (the join service's
-// refusal names the same PCR).
+// refusal names the same PCR). It runs at the release of the Kubernetes binaries it is given, which its nodes
+// and API server report.
 func TestImageRoll(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
@@ -257,6 +258,7 @@ func TestImageRoll(t *testing.T) {
 		l, err = Up(ctx, c)
 		return err
 	})
+	checkRelease(ctx, t, l)
 	cp, w := l.Node("cp-0"), l.Node("worker-0")
 	// The worker seals too (an edge node), and asks for the policy often enough for a test.
 	if err := w.SetAgentOption("localUnlock", true); err != nil {
@@ -300,6 +302,33 @@ func TestImageRoll(t *testing.T) {
 	waitLog(ctx, t, cp, cpMark, `"msg":"measurements refused"`, `"peer_node":"worker-0"`,
 		fmt.Sprintf("PCR %d: expected %s, got %s", imagePCR, expected, got))
 	notInLog(t, w, mark, `"msg":"rejoin ticket received"`)
+}
+
+// checkRelease checks that the API server and every node's kubelet report the lab's release.
+func checkRelease(ctx context.Context, t *testing.T, l *Lab) {
+	t.Helper()
+	out, err := l.Kubectl(ctx, "get", "--raw", "/version")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var server struct{ GitVersion string }
+	if err := json.Unmarshal([]byte(out), &server); err != nil {
+		t.Fatalf("the API server's /version: %v\n%s", err, out)
+	}
+	if server.GitVersion != l.KubernetesVersion() {
+		t.Errorf("the API server reports %s, the lab runs %s", server.GitVersion, l.KubernetesVersion())
+	}
+	out, err = l.Kubectl(ctx, "get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name} {.status.nodeInfo.kubeletVersion}{"\n"}{end}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodes := strings.Split(out, "\n")
+	for _, node := range nodes {
+		if name, version, _ := strings.Cut(node, " "); version != l.KubernetesVersion() {
+			t.Errorf("%s's kubelet reports %s, the lab runs %s", name, version, l.KubernetesVersion())
+		}
+	}
+	t.Logf("the API server and the kubelets of %d nodes report %s", len(nodes), l.KubernetesVersion())
 }
 
 // setPolicy writes the join policy ConfigMap, as berth_join_policy does, allowing images for both roles.

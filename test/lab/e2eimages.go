@@ -40,7 +40,7 @@ type e2eBuild struct {
 }
 
 // BuildE2EImages makes, in dir, every image the suite in bin lists that the lab can make.
-func BuildE2EImages(ctx context.Context, bin, k8sSource, dir string) (E2EImages, error) {
+func (l *Lab) BuildE2EImages(ctx context.Context, bin, k8sSource, dir string) (E2EImages, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return E2EImages{}, err
 	}
@@ -76,7 +76,7 @@ func BuildE2EImages(ctx context.Context, bin, k8sSource, dir string) (E2EImages,
 	b.netTools = append(b.netTools, ImageFile{Path: "etc/nsswitch.conf", Data: []byte("hosts: files dns\n"), Mode: 0o644})
 	set := E2EImages{Missing: map[string]string{}}
 	for _, ref := range strings.Fields(string(out)) {
-		if ref == pauseImage || ref == etcdImage {
+		if ref == l.images.Pause || ref == l.images.image(etcdRepository) {
 			continue // kubeadm's, which every node (etcd: every control-plane node) has
 		}
 		img, why := b.image(ref)

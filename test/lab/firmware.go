@@ -39,8 +39,9 @@ func PredictedPCRs(image string) map[int][]byte {
 	return pcrs
 }
 
-// imageManifest is berth-image.json for the lab's images, as the Packer plugin writes it for real ones.
-func imageManifest() *manifest.Manifest {
+// imageManifest is berth-image.json for the lab's images of Kubernetes release, as the Packer plugin writes
+// it for real ones.
+func imageManifest(release string) *manifest.Manifest {
 	m := &manifest.Manifest{Version: manifest.Version}
 	for _, name := range ImageNames {
 		pcrs := map[string]string{}
@@ -48,7 +49,7 @@ func imageManifest() *manifest.Manifest {
 			pcrs[strconv.Itoa(i)] = hex.EncodeToString(v)
 		}
 		m.Images = append(m.Images, manifest.Image{Name: name, Builder: "lab", ArtifactID: name, Region: "local",
-			PCRs: pcrs, Components: map[string]string{"kubernetes": KubernetesVersion}})
+			PCRs: pcrs, Components: map[string]string{"kubernetes": release}})
 	}
 	return m
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/berthlabs/berth/internal/attest"
 	"github.com/berthlabs/berth/internal/manifest"
+	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/swtpm/swtpmtest"
 )
 
@@ -55,7 +56,7 @@ func readPCRs(t *testing.T, device string) map[int][]byte {
 // TestImageManifest checks that the lab's berth-image.json is one Terraform's berth_image accepts, with
 // both images and their predicted PCRs.
 func TestImageManifest(t *testing.T) {
-	data, err := json.Marshal(imageManifest())
+	data, err := json.Marshal(imageManifest(repotest.KubernetesVersion))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,18 +64,19 @@ func TestImageManifest(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the lab's manifest does not parse: %v\n%s", err, data)
 	}
-	checkManifest(t, m)
+	checkManifest(t, m, repotest.KubernetesVersion)
 }
 
-// checkManifest checks a parsed manifest against ImageNames and PredictedPCRs.
-func checkManifest(t *testing.T, m *manifest.Manifest) {
+// checkManifest checks a parsed manifest against ImageNames and PredictedPCRs, its images carrying
+// Kubernetes release.
+func checkManifest(t *testing.T, m *manifest.Manifest, release string) {
 	t.Helper()
 	if !slices.Equal(m.Names(), ImageNames) {
 		t.Fatalf("manifest images %v, want %v", m.Names(), ImageNames)
 	}
 	for _, name := range ImageNames {
 		img, _ := m.Image(name)
-		if img.ArtifactID != name || img.Builder != "lab" || img.Region != "local" || img.Components["kubernetes"] != KubernetesVersion {
+		if img.ArtifactID != name || img.Builder != "lab" || img.Region != "local" || img.Components["kubernetes"] != release {
 			t.Errorf("image %s: %+v", name, img)
 		}
 		want := PredictedPCRs(name)

@@ -3,6 +3,7 @@ package lab
 import (
 	"archive/tar"
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -168,43 +169,52 @@ func TestImageLayerEntries(t *testing.T) {
 	}
 }
 
-// TestKubeadmImages pins the lab's image names to those its kubeadm asks for, its CoreDNS build to the
-// version kubeadm names, and its flanneld build to the version its image's name says: an image that drifts
-// away sends kubeadm or the kubelet to a registry this machine cannot reach.
+// TestKubeadmImages pins what the lab makes to what its kubeadm asks for: an image of each repository
+// buildImages makes, the Kubernetes components' of kubeadm's own release; its CoreDNS build to the version
+// kubeadm of the repository's release names (an older release's kubeadm gets the same CoreDNS under its own
+// tag), and its flanneld build to the version its image's name says. An image that drifts away sends kubeadm
+// or the kubelet to a registry this machine cannot reach.
 func TestKubeadmImages(t *testing.T) {
 	kubeBin := repotest.BinDir(t, "BERTH_KUBE_BIN", "build-k8s.sh", "building Kubernetes from its modules")
-	out, err := exec.Command(filepath.Join(kubeBin, "kubeadm"), "config", "images", "list", "--kubernetes-version", KubernetesVersion).Output()
+	release, names, err := kubeadmImages(context.Background(), kubeBin)
 	if err != nil {
-		t.Fatalf("kubeadm config images list: %v", err)
+		t.Fatal(err)
 	}
-	got := strings.Fields(string(out))
-	want := []string{pauseImage, etcdImage, kubeProxyImage, CoreDNSImage}
+	tags := map[string]string{}
+	for _, name := range names {
+		repo, tag, _ := strings.Cut(name, ":")
+		tags[repo] = tag
+		if strings.HasPrefix(repo, "registry.k8s.io/kube-") && tag != release {
+			t.Errorf("kubeadm %s asks for %s, of another release", release, name)
+		}
+	}
+	want := []string{pauseRepository, etcdRepository, coreDNSRepository, "registry.k8s.io/kube-proxy"}
 	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
-		want = append(want, "registry.k8s.io/"+c+":"+KubernetesVersion)
+		want = append(want, "registry.k8s.io/"+c)
 	}
-	slices.Sort(got)
 	slices.Sort(want)
-	if !slices.Equal(got, want) {
-		t.Errorf("kubeadm %s asks for\n%s\nthe lab makes\n%s", KubernetesVersion, strings.Join(got, "\n"), strings.Join(want, "\n"))
+	if got := slices.Sorted(maps.Keys(tags)); !slices.Equal(got, want) || len(names) != len(want) {
+		t.Errorf("kubeadm %s asks for\n%s\nthe lab makes one image of each of\n%s", release, strings.Join(names, "\n"), strings.Join(want, "\n"))
 	}
-	version, err := exec.Command(filepath.Join(kubeBin, "coredns"), "-version").Output()
-	if err != nil {
-		t.Fatalf("coredns -version: %v", err)
-	}
-	_, tag, _ := strings.Cut(CoreDNSImage, ":v")
-	if !strings.Contains(string(version), "CoreDNS-"+tag+"\n") {
-		t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm's image is %s", version, CoreDNSImage)
+	if release == repotest.KubernetesVersion {
+		version, err := exec.Command(filepath.Join(kubeBin, "coredns"), "-version").Output()
+		if err != nil {
+			t.Fatalf("coredns -version: %v", err)
+		}
+		if !strings.Contains(string(version), "CoreDNS-"+strings.TrimPrefix(tags[coreDNSRepository], "v")+"\n") {
+			t.Errorf("the CoreDNS built from test/corednstools/go.mod reports %q; kubeadm %s asks for CoreDNS %s", version, release, tags[coreDNSRepository])
+		}
 	}
 	// The lab's agents take the default Flannel image, so the lab's build must carry the default's name.
 	if FlannelImage != podnetwork.DefaultFlannelImage {
 		t.Errorf("the lab builds %s; the agent installs %s by default", FlannelImage, podnetwork.DefaultFlannelImage)
 	}
 	// flanneld prints its version on stderr.
-	version, err = exec.Command(filepath.Join(kubeBin, "flanneld"), "--version").CombinedOutput()
+	version, err := exec.Command(filepath.Join(kubeBin, "flanneld"), "--version").CombinedOutput()
 	if err != nil {
 		t.Fatalf("flanneld --version: %v\n%s", err, version)
 	}
-	_, tag, _ = strings.Cut(FlannelImage, ":")
+	_, tag, _ := strings.Cut(FlannelImage, ":")
 	if string(version) != tag+"\n" {
 		t.Errorf("the flanneld built from test/flanneltools/go.mod reports %q; the lab's image is %s", version, FlannelImage)
 	}

@@ -1,6 +1,7 @@
 package lab
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -13,17 +14,13 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/test/gobuild"
 )
 
-// Image names kubeadm v1.36.3 asks for (`kubeadm config images list`; TestKubeadmImages), and the lab's
-// test workloads.
+// The lab's test workloads and pod network, the same at every Kubernetes release. The images kubeadm asks
+// for are named by the release of the lab's kubeadm (kubeadmImages).
 const (
-	pauseImage     = "registry.k8s.io/pause:3.10.2"
-	etcdImage      = "registry.k8s.io/etcd:3.6.8-0"
-	kubeProxyImage = "registry.k8s.io/kube-proxy:" + KubernetesVersion
-	// CoreDNSImage is CoreDNS built from test/corednstools.
-	CoreDNSImage  = "registry.k8s.io/coredns/coredns:v1.14.2"
 	WorkloadImage = "berthlab.local/sleeper:v1"
 	// ProbeImage serves and fetches over HTTP (test/lab/probe): the pod network's and the Services' test.
 	ProbeImage = "berthlab.local/probe:v1"
@@ -35,9 +32,19 @@ const (
 	FlannelCNIImage = "berthlab.local/flannel-cni-plugin:v1"
 )
 
-// imageSet is where buildImages wrote the images; lab.json keeps it for the processes that add nodes.
+// Repositories of the images kubeadm asks for that are not named after a binary.
+const (
+	pauseRepository   = "registry.k8s.io/pause"
+	etcdRepository    = "registry.k8s.io/etcd"
+	coreDNSRepository = "registry.k8s.io/coredns/coredns"
+)
+
+// imageSet is where buildImages wrote the images of one Kubernetes release; lab.json keeps it for the
+// processes that add nodes.
 type imageSet struct {
-	Pause string `json:"pause"`
+	// Kubernetes is the release of the binaries they were made from, which kubeadm's image names follow.
+	Kubernetes string `json:"kubernetes"`
+	Pause      string `json:"pause"`
 	// Every node loads these; control-plane nodes the ControlPlane images too.
 	Node         []imageArchive `json:"node"`
 	ControlPlane []imageArchive `json:"controlPlane"`
@@ -57,8 +64,14 @@ var iptablesCommands = []string{"iptables", "iptables-save", "iptables-restore",
 // directory with it is complete.
 const imageSetFile = "images.json"
 
-// imagesIn returns the images in dir, made there first from kubeBin's binaries unless an earlier lab did.
+// imagesIn returns the images of kubeBin's release in a directory of dir named after it, made there first
+// from kubeBin's binaries unless an earlier lab did: labs of two releases can share dir.
 func imagesIn(ctx context.Context, kubeBin, dir string) (imageSet, error) {
+	release, names, err := kubeadmImages(ctx, kubeBin)
+	if err != nil {
+		return imageSet{}, err
+	}
+	dir = filepath.Join(dir, release)
 	var set imageSet
 	data, err := os.ReadFile(filepath.Join(dir, imageSetFile))
 	if err == nil {
@@ -70,15 +83,46 @@ func imagesIn(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 	if !errors.Is(err, fs.ErrNotExist) {
 		return imageSet{}, err
 	}
-	if set, err = buildImages(ctx, kubeBin, dir); err != nil {
+	if set, err = buildImages(ctx, kubeBin, release, names, dir); err != nil {
 		return imageSet{}, err
 	}
 	return set, writeJSON(filepath.Join(dir, imageSetFile), set)
 }
 
-// buildImages makes the control-plane, kube-proxy, CoreDNS and Flannel images from the built binaries, and
-// the pause, workload and Flannel CNI plugin images from the lab's own programs, as docker-archive tars.
-func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
+// kubeadmImages are the release of kubeBin's kubeadm and the names of the images it asks for at that
+// release (`kubeadm config images list`): the tags of pause, etcd and CoreDNS change between releases.
+func kubeadmImages(ctx context.Context, kubeBin string) (string, []string, error) {
+	binary := filepath.Join(kubeBin, "kubeadm")
+	release, err := (&kubeadm.Exec{Binary: binary}).Version(ctx)
+	if err != nil {
+		return "", nil, fmt.Errorf("the release of %s: %w", binary, err)
+	}
+	// Its standard output alone: a warning is no image.
+	var stderr bytes.Buffer
+	cmd := exec.CommandContext(ctx, binary, "config", "images", "list", "--kubernetes-version", release)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", nil, fmt.Errorf("kubeadm %s config images list: %w: %s", release, err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return release, strings.Fields(string(out)), nil
+}
+
+// image is the name of the set's image of repository repo, or "" if it has none.
+func (s imageSet) image(repo string) string {
+	for _, img := range slices.Concat(s.Node, s.ControlPlane) {
+		if r, _, _ := strings.Cut(img.Name, ":"); r == repo {
+			return img.Name
+		}
+	}
+	return ""
+}
+
+// buildImages makes names, the images kubeadm of release asks for, from the built binaries (the pause image
+// from the lab's own program), the Flannel images from flanneld and the lab's stand-in for its CNI plugin,
+// and the workload images from the lab's own programs, as docker-archive tars. The lab has one etcd and one
+// CoreDNS: each release's kubeadm gets them under the tags it asks for.
+func buildImages(ctx context.Context, kubeBin, release string, names []string, dir string) (imageSet, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return imageSet{}, err
 	}
@@ -112,12 +156,8 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 		return ImageFile{Path: "usr/local/bin/" + name, Src: filepath.Join(kubeBin, name), Mode: 0o755}
 	}
 	nodeImages := []Image{
-		{Name: pauseImage, Files: []ImageFile{{Path: "pause", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/pause"}},
 		{Name: WorkloadImage, Files: []ImageFile{{Path: "sleeper", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/sleeper"}},
 		{Name: ProbeImage, Files: []ImageFile{{Path: "probe", Src: probeBin, Mode: 0o755}}, Entrypoint: []string{"/probe"}},
-		{Name: kubeProxyImage, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}},
-		// CoreDNS's Deployment runs the image's entrypoint with -conf.
-		{Name: CoreDNSImage, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}},
 		// Laid out as upstream's: the manifest runs /opt/bin/flanneld, which runs iptables and ip6tables
 		// (and their -restore) from PATH.
 		{
@@ -128,11 +168,26 @@ func buildImages(ctx context.Context, kubeBin, dir string) (imageSet, error) {
 		},
 		{Name: FlannelCNIImage, Files: append([]ImageFile{{Path: "flannel", Src: flannelCNIBin, Mode: 0o755}}, cp...), Env: []string{path}},
 	}
-	controlPlaneImages := []Image{{Name: etcdImage, Files: []ImageFile{bin("etcd")}, Env: []string{path}}}
-	for _, c := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
-		controlPlaneImages = append(controlPlaneImages, Image{Name: "registry.k8s.io/" + c + ":" + KubernetesVersion, Files: []ImageFile{bin(c)}, Env: []string{path}})
+	var controlPlaneImages []Image
+	set := imageSet{Kubernetes: release}
+	for _, name := range names {
+		switch repo, _, _ := strings.Cut(name, ":"); repo {
+		case pauseRepository:
+			set.Pause = name
+			nodeImages = append(nodeImages, Image{Name: name, Files: []ImageFile{{Path: "pause", Src: pauseBin, Mode: 0o755}}, Entrypoint: []string{"/pause"}})
+		case "registry.k8s.io/kube-proxy":
+			nodeImages = append(nodeImages, Image{Name: name, Files: append([]ImageFile{bin("kube-proxy")}, iptables...), Env: []string{path}})
+		case coreDNSRepository:
+			// CoreDNS's Deployment runs the image's entrypoint with -conf.
+			nodeImages = append(nodeImages, Image{Name: name, Files: []ImageFile{{Path: "coredns", Src: filepath.Join(kubeBin, "coredns"), Mode: 0o755}}, Entrypoint: []string{"/coredns"}})
+		case etcdRepository:
+			controlPlaneImages = append(controlPlaneImages, Image{Name: name, Files: []ImageFile{bin("etcd")}, Env: []string{path}})
+		case "registry.k8s.io/kube-apiserver", "registry.k8s.io/kube-controller-manager", "registry.k8s.io/kube-scheduler":
+			controlPlaneImages = append(controlPlaneImages, Image{Name: name, Files: []ImageFile{bin(strings.TrimPrefix(repo, "registry.k8s.io/"))}, Env: []string{path}})
+		default:
+			return imageSet{}, fmt.Errorf("kubeadm %s asks for %s, which the lab does not make", release, name)
+		}
 	}
-	set := imageSet{Pause: pauseImage}
 	if set.Node, err = writeImages(nodeImages, dir); err != nil {
 		return imageSet{}, err
 	}

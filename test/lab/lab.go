@@ -51,7 +51,6 @@ import (
 	"github.com/berthlabs/berth/internal/pki"
 	"github.com/berthlabs/berth/internal/podnetwork"
 	"github.com/berthlabs/berth/internal/policy"
-	"github.com/berthlabs/berth/internal/repotest"
 	"github.com/berthlabs/berth/test/swtpm"
 )
 
@@ -65,9 +64,6 @@ const (
 	joinPort     = 7450
 	initPort     = 7451
 )
-
-// KubernetesVersion is what the lab runs.
-const KubernetesVersion = repotest.KubernetesVersion
 
 // The lab's network: the host's side of the bridge, and where its metadata service listens.
 var (
@@ -95,9 +91,10 @@ type HostConfig struct {
 	// GCPConfig); with neither, nodes read the lab's own metadata service.
 	AWS *AWSConfig
 	GCP *GCPConfig
-	// ImageDir holds the nodes' container images: the first lab that names it makes them there from
-	// KubeBin's binaries, and every later one loads them from there (a test process that brings up many
-	// labs makes them once; one directory serves one KubeBin). Empty: the lab's own directory.
+	// ImageDir holds the nodes' container images, each Kubernetes release's in a directory of its own: the
+	// first lab of a release that names it makes them there from KubeBin's binaries, and every later one
+	// loads them from there (a test process that brings up many labs makes them once). Empty: the lab's own
+	// directory.
 	ImageDir string
 	Progress io.Writer
 	// CertificateValidity, if set, is how long kubeadm's control-plane certificates last (berth_cluster's
@@ -158,12 +155,19 @@ type hostState struct {
 	KubeBin     string     `json:"kubeBin"`
 	AgentBinary string     `json:"agentBinary"`
 	LabBinary   string     `json:"labBinary"`
+	ImageDir    string     `json:"imageDir"`
 	Images      imageSet   `json:"images"`
 	AWS         *AWSConfig `json:"aws,omitempty"`
 	GCP         *GCPConfig `json:"gcp,omitempty"`
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
+
+// KubernetesVersion is the release the lab runs: its kubeadm's, which its images and manifest follow.
+func (l *Lab) KubernetesVersion() string { return l.images.Kubernetes }
+
+// CoreDNSImage is the name kubeadm of the lab's release gives CoreDNS's image.
+func (l *Lab) CoreDNSImage() string { return l.images.image(coreDNSRepository) }
 
 // ManifestPath is the lab's berth-image.json, for Terraform's berth_image data source.
 func (l *Lab) ManifestPath() string { return l.path(manifestFile) }
@@ -222,6 +226,12 @@ func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 		}
 		*p = abs
 	}
+	if cfg.ImageDir != "" {
+		var err error
+		if cfg.ImageDir, err = filepath.Abs(cfg.ImageDir); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.AWS != nil {
 		if cfg.AWS.IMDSMock == "" {
 			return nil, errors.New("an AWS lab needs the ec2-metadata-mock binary (scripts/build-imds-mock.sh)")
@@ -271,13 +281,12 @@ func (l *Lab) startHost(ctx context.Context) error {
 			return err
 		}
 	}
-	imageDir := l.cfg.ImageDir
-	if imageDir == "" {
-		imageDir = l.path("images")
+	if l.cfg.ImageDir == "" {
+		l.cfg.ImageDir = l.path("images")
 	}
-	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, Flannel, test workloads", imageDir)
+	l.progress("images in %s: pause, etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, CoreDNS, Flannel, test workloads", l.cfg.ImageDir)
 	var err error
-	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, imageDir); err != nil {
+	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, l.cfg.ImageDir); err != nil {
 		return fmt.Errorf("images: %w", err)
 	}
 	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(ImageNames, ", "))
@@ -291,7 +300,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if err := os.WriteFile(l.EKCAPath(), bundle, 0o644); err != nil {
 		return err
 	}
-	if err := writeJSON(l.ManifestPath(), imageManifest()); err != nil {
+	if err := writeJSON(l.ManifestPath(), imageManifest(l.KubernetesVersion())); err != nil {
 		return err
 	}
 	doc := &metadata.Document{Instances: []metadata.Instance{}}
@@ -305,7 +314,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 		return err
 	}
 	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
-		LabBinary: l.cfg.LabBinary, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
+		LabBinary: l.cfg.LabBinary, ImageDir: l.cfg.ImageDir, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
 }
 
 // Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
@@ -329,7 +338,7 @@ func Open(dir string) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, AWS: st.AWS, GCP: st.GCP},
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, ImageDir: st.ImageDir, AWS: st.AWS, GCP: st.GCP},
 		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
 	doc, err := readDocument(l.path(documentFile))
 	if err != nil {
@@ -604,7 +613,7 @@ func (l *Lab) initCluster(ctx context.Context, cp *Node, s *labSecrets) (*berthv
 			InitSecret: []byte(s.initSecret), MasterSecret: s.master, Salt: s.salt,
 			KubernetesCaCertificate: s.kubeCA.CertPEM(), KubernetesCaKey: kubeKey,
 			JoinCaCertificate: s.joinCA.CertPEM(), JoinCaKey: joinKey,
-			ClusterName: ClusterName, KubernetesVersion: KubernetesVersion, JoinPolicy: pol,
+			ClusterName: ClusterName, KubernetesVersion: l.KubernetesVersion(), JoinPolicy: pol,
 			ControlPlaneEndpoint: net.JoinHostPort(cp.Addr.String(), "6443"), PodNetwork: podnetwork.Flannel,
 			CertificateValiditySeconds: int64(l.cfg.CertificateValidity / time.Second),
 		},

@@ -60,7 +60,7 @@ func TestLab(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%s: %v", l.ManifestPath(), err)
 	}
-	checkManifest(t, m)
+	checkManifest(t, m, l.KubernetesVersion())
 
 	issued := issuedSerials(t, l)
 	for _, name := range []string{"worker-0", "worker-1"} {

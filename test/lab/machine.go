@@ -45,6 +45,10 @@ type Machine struct {
 	// WorkerInstanceGroup) and the EK of the instance's Shielded identity.
 	Group      string
 	ReportedEK *rsa.PublicKey
+	// KubeBin, if set, is the directory of the machine's Kubernetes binaries in place of the lab's: an image
+	// of another release, as one that rolls the cluster to a new release. Its node loads the images of its
+	// release and, as an image that cannot pull carries them too, those of the lab's.
+	KubeBin string
 }
 
 // AddNode adds a machine to the lab and powers it on: it lists the node in the metadata and the nodes'
@@ -66,6 +70,11 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
 	}
 	n := l.newNode(m)
+	if m.KubeBin != "" {
+		if err := n.useKubeBin(ctx, m.KubeBin); err != nil {
+			return nil, fmt.Errorf("node %s: %w", m.Name, err)
+		}
+	}
 	switch {
 	case l.cfg.AWS == nil && l.cfg.GCP == nil && (m.Group != "" || m.ReportedEK != nil):
 		return nil, fmt.Errorf("node %s: an instance group and an EK reported by the cloud are for AWS and GCP labs only", m.Name)

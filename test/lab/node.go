@@ -61,6 +61,10 @@ type Node struct {
 	InstanceID string
 
 	lab *Lab
+	// kubeBin is the directory of the node's Kubernetes binaries, and images the images of their release:
+	// the lab's, unless its machine had binaries of its own (Machine.KubeBin).
+	kubeBin string
+	images  imageSet
 	// ec2 is what the node is to EC2, in an AWS lab.
 	ec2 *ec2Instance
 	// gce is what the node is to Compute Engine, in a GCP lab.
@@ -80,23 +84,45 @@ type Node struct {
 	agentExit chan error
 }
 
-// nodeState is the node's node.json: what a later process needs to power the node off or wait for it.
+// nodeState is the node's node.json: what a later process needs to power the node off or wait for it, and
+// the Kubernetes binaries and images of a node whose release is not the lab's.
 type nodeState struct {
-	Holder int       `json:"holderPID"`
-	Agent  int       `json:"agentPID"`
-	Booted time.Time `json:"booted"`
+	Holder  int       `json:"holderPID"`
+	Agent   int       `json:"agentPID"`
+	Booted  time.Time `json:"booted"`
+	KubeBin string    `json:"kubeBin,omitempty"`
+	Images  *imageSet `json:"images,omitempty"`
 }
 
 func (l *Lab) newNode(m Machine) *Node {
-	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), CloudInit: m.CloudInit, lab: l}
+	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), CloudInit: m.CloudInit, lab: l,
+		kubeBin: l.cfg.KubeBin, images: l.images}
 }
 
-// save records the node's processes in node.json.
+// useKubeBin makes the node run the Kubernetes binaries in dir, and load the images of their release,
+// made in the lab's image directory unless an earlier lab did.
+func (n *Node) useKubeBin(ctx context.Context, dir string) error {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return err
+	}
+	if n.images, err = imagesIn(ctx, dir, n.lab.cfg.ImageDir); err != nil {
+		return fmt.Errorf("images of %s: %w", dir, err)
+	}
+	n.kubeBin = dir
+	return nil
+}
+
+// save records the node's processes in node.json, and its binaries and images if they are not the lab's.
 func (n *Node) save() error {
 	n.agentMu.Lock()
 	pid := n.agentPID
 	n.agentMu.Unlock()
-	return writeJSON(n.path("node.json"), nodeState{Holder: n.holder, Agent: pid, Booted: n.booted})
+	st := nodeState{Holder: n.holder, Agent: pid, Booted: n.booted}
+	if n.kubeBin != n.lab.cfg.KubeBin {
+		st.KubeBin, st.Images = n.kubeBin, &n.images
+	}
+	return writeJSON(n.path("node.json"), st)
 }
 
 // load reads node.json, and the cloud-config of a bare-metal node; a node that was never powered on has no
@@ -125,6 +151,9 @@ func (n *Node) load() error {
 		return fmt.Errorf("reading %s: %w", n.path("node.json"), err)
 	}
 	n.holder, n.agentPID, n.booted = st.Holder, st.Agent, st.Booted
+	if st.KubeBin != "" {
+		n.kubeBin, n.images = st.KubeBin, *st.Images
+	}
 	return nil
 }
 
@@ -263,10 +292,7 @@ func (n *Node) powerOn(ctx context.Context) error {
 		}
 		n.lab.progress("%s: instance %d (group %s) known to Compute Engine, its metadata server on %s", n.Name, n.gce.ID, n.gce.Group, gceMetadataAddr)
 	}
-	images := slices.Clone(n.lab.images.Node)
-	if n.Role == metadata.RoleControlPlane {
-		images = append(images, n.lab.images.ControlPlane...)
-	}
+	images := n.containerImages()
 	loaded, err := n.startContainerd(ctx, images)
 	if err != nil {
 		return err
@@ -378,7 +404,7 @@ func (n *Node) startCmdEnv(log string, env []string, args ...string) (int, <-cha
 	if env == nil {
 		env = os.Environ()
 	}
-	cmd.Env = append(env, "PATH="+n.lab.cfg.KubeBin+":"+os.Getenv("PATH"))
+	cmd.Env = append(env, "PATH="+n.kubeBin+":"+os.Getenv("PATH"))
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -404,6 +430,25 @@ func (n *Node) startTPM() error {
 		return fmt.Errorf("%w (see %s)", err, n.path("logs/swtpm.log"))
 	}
 	return measureImage(sock, n.Image)
+}
+
+// containerImages are the images the node loads: those of its release, control-plane images on a
+// control-plane node, and for a node of another release than the lab's also the lab's release's, which the
+// cluster's static pods and addons run; of two images of one name, its release's.
+func (n *Node) containerImages() []imageArchive {
+	var images []imageArchive
+	for _, set := range []imageSet{n.images, n.lab.images} {
+		archives := set.Node
+		if n.Role == metadata.RoleControlPlane {
+			archives = slices.Concat(set.Node, set.ControlPlane)
+		}
+		for _, a := range archives {
+			if !slices.ContainsFunc(images, func(b imageArchive) bool { return b.Name == a.Name }) {
+				images = append(images, a)
+			}
+		}
+	}
+	return images
 }
 
 // startContainerd starts the node's containerd and loads those of its images that containerd does not hold
@@ -598,7 +643,7 @@ state = "/run/containerd"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %q
     conf_dir = "/etc/cni/net.d"
-`, n.path("containerd"), n.lab.images.Pause, cniBinDir)
+`, n.path("containerd"), n.images.Pause, cniBinDir)
 	if err := os.WriteFile(n.path("containerd.toml"), []byte(containerd), 0o644); err != nil {
 		return err
 	}
@@ -608,7 +653,7 @@ state = "/run/containerd"
 	cfg := map[string]any{
 		"tpm":        "unix:" + n.path("tpm/tpm.sock"),
 		"stateDisk":  n.path("state.img"),
-		"kubeadm":    filepath.Join(n.lab.cfg.KubeBin, "kubeadm"),
+		"kubeadm":    filepath.Join(n.kubeBin, "kubeadm"),
 		"ekCABundle": n.lab.EKCAPath(),
 		// The lab's nodes share the host's kernel, whose connection-tracking table size only the host sets.
 		"kubeProxy": map[string]any{"conntrackMaxPerCore": 0},
@@ -621,7 +666,7 @@ state = "/run/containerd"
 		"ignorePreflightErrors": []string{"SystemVerification", "Swap"},
 		"kubelet": map[string]any{
 			"run":           true,
-			"binary":        filepath.Join(n.lab.cfg.KubeBin, "kubelet"),
+			"binary":        filepath.Join(n.kubeBin, "kubelet"),
 			"cgroupDriver":  "cgroupfs",
 			"allowCgroupV1": true,
 			"extraArgs": map[string]string{

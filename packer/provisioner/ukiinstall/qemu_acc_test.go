@@ -86,7 +86,7 @@ func TestAccQEMUImage(t *testing.T) {
 	}
 	var archives []string
 	// CoreDNS runs on the lab's own nodes before this one joins, and the workload image is other tests'.
-	for _, path := range l.NodeImageArchives(lab.CoreDNSImage, lab.WorkloadImage) {
+	for _, path := range l.NodeImageArchives(l.CoreDNSImage(), lab.WorkloadImage) {
 		archives = append(archives, fmt.Sprintf("{source=%q, sha256=%q}", path, packertest.FileSHA256(t, path)))
 	}
 	dir := t.TempDir()

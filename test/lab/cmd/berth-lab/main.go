@@ -34,8 +34,9 @@ const usage = `berth-lab: a local attested Berth cluster.
         the lab's host only: bridge, images, EK CA, image manifest, metadata service; prints the paths of
         the image manifest (berth-image.json) and the EK CA bundle
   berth-lab node up --dir DIR --name NAME --role control-plane|worker --addr 10.250.0.X
-                    --image berthlab-a|berthlab-b --user-data JSON
-        add a machine to the host and power it on (JSON: berth_node_config's json); returns once its agent runs
+                    --image berthlab-a|berthlab-b --user-data JSON [--kube-bin DIR]
+        add a machine to the host and power it on (JSON: berth_node_config's json); returns once its agent runs.
+        --kube-bin gives it Kubernetes binaries of its own, of another release than the lab's
   berth-lab node down --dir DIR --name NAME
         power a machine off and remove it; removing a machine that is not there
         (or from a lab that is gone) is no error
@@ -104,7 +105,7 @@ func main() {
 	case "host":
 		err = host(ctx, *dir, *kubeBin, *agent)
 	case "node up":
-		err = nodeUp(ctx, *dir, *name, *role, *addr, *image, *userData)
+		err = nodeUp(ctx, *dir, *name, *role, *addr, *image, *userData, *kubeBin)
 	case "node down":
 		err = nodeDown(ctx, *dir, *name)
 	case "wait":
@@ -160,7 +161,7 @@ func host(ctx context.Context, dir, kubeBin, agent string) error {
 	return nil
 }
 
-func nodeUp(ctx context.Context, dir, name, role, addr, image, userData string) error {
+func nodeUp(ctx context.Context, dir, name, role, addr, image, userData, kubeBin string) error {
 	if name == "" || role == "" || addr == "" || image == "" || userData == "" {
 		return errors.New("node up needs --name, --role, --addr, --image and --user-data")
 	}
@@ -177,7 +178,7 @@ func nodeUp(ctx context.Context, dir, name, role, addr, image, userData string) 
 		return err
 	}
 	l.Progress = os.Stdout
-	_, err = l.AddNode(ctx, lab.Machine{Name: name, Role: metadata.Role(role), Addr: a, Image: image, UserData: ud})
+	_, err = l.AddNode(ctx, lab.Machine{Name: name, Role: metadata.Role(role), Addr: a, Image: image, UserData: ud, KubeBin: kubeBin})
 	return err
 }
 
@@ -266,7 +267,7 @@ func e2eImages(ctx context.Context, dir, bin, k8sSource string) error {
 		return err
 	}
 	l.Progress = os.Stdout
-	images, err := lab.BuildE2EImages(ctx, bin, k8sSource, filepath.Join(dir, "e2e-images"))
+	images, err := l.BuildE2EImages(ctx, bin, k8sSource, filepath.Join(dir, "e2e-images"))
 	if err != nil {
 		return err
 	}
