@@ -108,10 +108,13 @@ func (u *Upgrader) Run(ctx context.Context) {
 
 // step takes this node's next step, if any, and returns how long to wait before the next look.
 func (u *Upgrader) step(ctx context.Context) time.Duration {
+	// A look that fails is taken again at the next look, not after retryAfter: it is a few reads, and it
+	// fails mostly at boot, before the node's own API server answers, where a reimaged control-plane node
+	// that is to lead an upgrade would otherwise wait two minutes for nothing.
 	kube, err := u.cfg.Client()
 	if err != nil {
-		u.log.Warn("cannot reach the API server to look for an upgrade", "error", err, "retry_in", retryAfter.String())
-		return retryAfter
+		u.log.Warn("cannot reach the API server to look for an upgrade", "error", err, "retry_in", lookEvery.String())
+		return lookEvery
 	}
 	if u.pending {
 		if err := u.upgraded(ctx, kube); err != nil {
@@ -121,8 +124,8 @@ func (u *Upgrader) step(ctx context.Context) time.Duration {
 	}
 	s, err := u.observe(ctx, kube)
 	if err != nil {
-		u.log.Warn("cannot tell where an upgrade stands", "error", err, "retry_in", retryAfter.String())
-		return retryAfter
+		u.log.Warn("cannot tell where an upgrade stands", "error", err, "retry_in", lookEvery.String())
+		return lookEvery
 	}
 	act, why := decide(u.cfg.Node, s)
 	if act == idle || act == wait {

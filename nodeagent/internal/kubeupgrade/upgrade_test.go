@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/nodeagent/internal/cplease"
@@ -285,4 +286,23 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
+}
+
+// TestFailedLookIsTakenAgainSoon: an API server that does not answer yet, as a control-plane node's own
+// just after its boot, is looked at again at the next look, not after a failed step's wait.
+func TestFailedLookIsTakenAgainSoon(t *testing.T) {
+	unreachable, err := kubernetes.NewForConfig(&rest.Config{Host: "https://127.0.0.1:1", Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, client := range map[string]func() (kubernetes.Interface, error){
+		"no client":         func() (kubernetes.Interface, error) { return nil, errors.New("admin.conf: no such file") },
+		"API server not up": func() (kubernetes.Interface, error) { return unreachable, nil },
+	} {
+		u := New(Config{Node: "cp-0", Kubeconfig: "admin.conf", Kubeadm: &kubeadmFake{node: "cp-0", own: to}, Client: client,
+			Upgraded: func(context.Context, kubernetes.Interface) error { return nil }, Logger: slog.New(slog.DiscardHandler)})
+		if wait := u.step(t.Context()); wait != lookEvery {
+			t.Errorf("%s: the next look in %v, want %v", name, wait, lookEvery)
+		}
+	}
 }
