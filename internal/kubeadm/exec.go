@@ -137,9 +137,17 @@ func (e *Exec) UpgradeApply(ctx context.Context, kubeconfig, release string, pro
 }
 
 // UpgradeNode runs `kubeadm upgrade node` on a control-plane node after another led the upgrade: it moves the
-// node's static pods to the release kubeadm-config now names, without the addon phase (as UpgradeApply).
+// node's static pods to the release kubeadm-config now names, without the addon phase (as UpgradeApply). Its
+// preflight runs the node's checks as init and join do, so the node's ignored checks go to it too.
 func (e *Exec) UpgradeNode(ctx context.Context, kubeconfig string, progress func(line string)) error {
 	args := []string{"upgrade", "node", "--kubeconfig", kubeconfig, "--skip-phases=addon"}
+	if len(e.IgnorePreflightErrors) > 0 {
+		ignore, err := ignoreFlag("upgrade node", e.IgnorePreflightErrors)
+		if err != nil {
+			return err
+		}
+		args = append(args, ignore)
+	}
 	return e.exec(ctx, "upgrade node", args, progress)
 }
 

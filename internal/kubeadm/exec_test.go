@@ -341,10 +341,13 @@ echo "[upgrade] done"`)
 		run  func() error
 		want string
 	}{
-		// The node's own ignored checks go to the upgrade's preflight too; CreateJob always.
+		// The node's own ignored checks go to the upgrades' preflight too (a lab node's SystemVerification
+		// failed `upgrade node` without them); CreateJob always to apply's.
 		{"apply", func() error { return e.UpgradeApply(t.Context(), kubeconfig, "v1.36.3", nil) },
 			"upgrade apply v1.36.3 --yes --kubeconfig " + kubeconfig + " --skip-phases=addon --ignore-preflight-errors=CreateJob,Swap"},
 		{"node", func() error { return e.UpgradeNode(t.Context(), kubeconfig, nil) },
+			"upgrade node --kubeconfig " + kubeconfig + " --skip-phases=addon --ignore-preflight-errors=Swap"},
+		{"node without ignored checks", func() error { return (&Exec{Binary: bin}).UpgradeNode(t.Context(), kubeconfig, nil) },
 			"upgrade node --kubeconfig " + kubeconfig + " --skip-phases=addon"},
 		{"addons", func() error { return e.UpgradeAddons(t.Context(), kubeconfig, "v1.36.3", nil) },
 			"upgrade apply phase addon all v1.36.3 --kubeconfig " + kubeconfig},
