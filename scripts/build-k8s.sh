@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes and etcd binaries the real-cluster lab runs, from the versions pinned in
 # test/k8stools/go.mod (or the tools module --module names, relative to the repository: test/k8sprevtools
-# pins the minor release before, for upgrades), CoreDNS from test/corednstools/go.mod and flanneld from
-# test/flanneltools/go.mod, into a cache keyed by the Kubernetes and etcd versions:
+# pins the minor release before, for upgrades; --patch-before stamps them as the patch release before),
+# CoreDNS from test/corednstools/go.mod and flanneld from test/flanneltools/go.mod, into a cache keyed by
+# the Kubernetes and etcd versions:
 #   ${BERTH_CACHE:-$HOME/.cache/berth}/k8s/<kubernetes>-etcd-<etcd>/bin/
+# (with --patch-before, <before>-as-<kubernetes>-etcd-<etcd>).
 # Binaries already there are kept unless --force is given or the build settings changed. Progress goes to
 # stderr; the only line on stdout is the bin directory, so callers can run bin=$(scripts/build-k8s.sh).
 set -euo pipefail
 
 usage() {
-	echo "usage: $0 [--force] [--module DIR]" >&2
+	echo "usage: $0 [--force] [--module DIR] [--patch-before]" >&2
 	exit 2
 }
 
 force=false
 module=test/k8stools
+patch_before=false
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--force) force=true ;;
@@ -23,6 +26,7 @@ while [ $# -gt 0 ]; do
 		module="$2"
 		shift
 		;;
+	--patch-before) patch_before=true ;;
 	*) usage ;;
 	esac
 	shift
@@ -52,16 +56,30 @@ coredns_module_dir="$root/test/corednstools"
 coredns_version=$(go -C "$coredns_module_dir" list -m -f '{{.Version}}' github.com/coredns/coredns)
 flannel_module_dir="$root/test/flanneltools"
 flannel_version=$(go -C "$flannel_module_dir" list -m -f '{{.Version}}' github.com/flannel-io/flannel)
-if [[ ! "$k8s_version" =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+$ ]]; then
+if [[ ! "$k8s_version" =~ ^v([0-9]+)\.([0-9]+)\.([0-9]+)$ ]]; then
 	log "k8s.io/kubernetes is pinned to $k8s_version, want a release version vX.Y.Z"
 	exit 1
 fi
 k8s_major="${BASH_REMATCH[1]}"
 k8s_minor="${BASH_REMATCH[2]}"
+k8s_patch="${BASH_REMATCH[3]}"
+cache_name="${k8s_version}-etcd-${etcd_version}"
+# --patch-before stamps the binaries with the patch release before the module's: its code under that version,
+# which is what a patch upgrade needs of them (kubeadm plans by the versions the binaries report), for the
+# cost of linking them again rather than building another release. Its cache names both versions.
+if $patch_before; then
+	if [ "$k8s_patch" -eq 0 ]; then
+		log "--patch-before: $k8s_version is the first release of its minor"
+		exit 2
+	fi
+	before="v$k8s_major.$k8s_minor.$((k8s_patch - 1))"
+	cache_name="${before}-as-${k8s_version}-etcd-${etcd_version}"
+	k8s_version="$before"
+fi
 
 # CI may run without HOME: fall back to a system cache directory.
 cache_root="${BERTH_CACHE:-${HOME:+$HOME/.cache/berth}}"
-cache_dir="${cache_root:-/var/cache/berth}/k8s/${k8s_version}-etcd-${etcd_version}"
+cache_dir="${cache_root:-/var/cache/berth}/k8s/${cache_name}"
 bin_dir="$cache_dir/bin"
 mkdir -p "$bin_dir"
 
