@@ -155,19 +155,34 @@ func TestLabCLI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = initclient.Init(ctx, initclient.Config{
-		Endpoint:     net.JoinHostPort("10.250.0.10", fmt.Sprint(initPort)),
-		Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
-		ExpectedPCRs: PredictedPCRs("berthlab-b"),
-		Request:      &berthv1.InitRequest{InitSecret: []byte(secret)},
-		Timeout:      3 * time.Minute,
-	})
-	var me *initclient.MeasurementError
-	if !errors.As(err, &me) {
-		t.Fatalf("init against the wrong image's prediction: %v, want a MeasurementError\n%s", err, tailFile(filepath.Join(dir, "nodes/cp-0/logs/agent.log"), 25))
+	wrongImage := func(expected, running string) {
+		t.Helper()
+		_, err = initclient.Init(ctx, initclient.Config{
+			Endpoint:     net.JoinHostPort("10.250.0.10", fmt.Sprint(initPort)),
+			Verifier:     attest.NewVerifier(attest.NewCertChain(roots, inters, nil)),
+			ExpectedPCRs: PredictedPCRs(expected),
+			Request:      &berthv1.InitRequest{InitSecret: []byte(secret)},
+			Timeout:      3 * time.Minute,
+		})
+		var me *initclient.MeasurementError
+		if !errors.As(err, &me) {
+			t.Fatalf("init against the wrong image's prediction: %v, want a MeasurementError\n%s", err, tailFile(filepath.Join(dir, "nodes/cp-0/logs/agent.log"), 25))
+		}
+		if want := PredictedPCRs(running)[imagePCR]; me.PCR != imagePCR || !bytes.Equal(me.Got, want) {
+			t.Errorf("measurement error on PCR %d with %x; want PCR %d holding %s's predicted %x", me.PCR, me.Got, imagePCR, running, want)
+		}
 	}
-	if want := PredictedPCRs("berthlab-a")[imagePCR]; me.PCR != imagePCR || !bytes.Equal(me.Got, want) {
-		t.Errorf("measurement error on PCR %d with %x; want PCR %d holding berthlab-a's predicted %x", me.PCR, me.Got, imagePCR, want)
+	wrongImage("berthlab-b", "berthlab-a")
+	// Reimaged with berthlab-b, cp-0 quotes berthlab-b's measurement, and the metadata says so.
+	if out, err := berthLab("node", "reimage", "--dir", dir, "--name", "cp-0", "--image", "berthlab-b"); err != nil || !strings.Contains(out, "cp-0: reimaged with berthlab-b") {
+		t.Fatalf("berth-lab node reimage: %v\n%s", err, out)
+	}
+	wrongImage("berthlab-a", "berthlab-b")
+	if doc, err = readDocument(filepath.Join(dir, documentFile)); err != nil {
+		t.Fatal(err)
+	}
+	if i := instanceIndex(doc, "cp-0"); i < 0 || doc.Instances[i].ImageID != "berthlab-b" {
+		t.Errorf("metadata.json after the reimage: %+v", doc.Instances)
 	}
 
 	for range 2 {

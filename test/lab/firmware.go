@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 
 	"github.com/google/go-tpm/tpm2"
@@ -16,6 +17,36 @@ import (
 // ImageNames are the lab's "images": nodes of different images differ only in what the lab's firmware
 // measures into imagePCR, which is enough for join policies to tell them apart.
 var ImageNames = []string{"berthlab-a", "berthlab-b"}
+
+// UpgradeImage is the i-th upgrade's image of a lab given HostConfig.UpgradeKubeBins: its machines run
+// those binaries, and carry the images of the release before too, as an image that cannot pull must
+// (docs/kubernetes-upgrades.md).
+func UpgradeImage(i int) string { return fmt.Sprintf("berthlab-up%d", i+1) }
+
+// imageNames are the images the lab's machines may boot: ImageNames, and an upgrade's image for each of
+// HostConfig.UpgradeKubeBins.
+func (l *Lab) imageNames() []string {
+	names := slices.Clone(ImageNames)
+	for i := range l.cfg.UpgradeKubeBins {
+		names = append(names, UpgradeImage(i))
+	}
+	return names
+}
+
+// release is what a machine of image runs: the Kubernetes binaries, the images of their release, and
+// those of the release before, which it carries for the cluster it joins or rejoins before its upgrade.
+func (l *Lab) release(image string) (kubeBin string, own, carried imageSet) {
+	for i, bin := range l.cfg.UpgradeKubeBins {
+		if image == UpgradeImage(i) {
+			carried = l.images
+			if i > 0 {
+				carried = l.upgradeImages[i-1]
+			}
+			return bin, l.upgradeImages[i], carried
+		}
+	}
+	return l.cfg.KubeBin, l.images, l.images
+}
 
 // imagePCR is the PCR the lab's firmware extends with the image's measurement; on real machines PCR 11
 // holds the unified kernel image, which is what a Berth image changes.
@@ -39,11 +70,21 @@ func PredictedPCRs(image string) map[int][]byte {
 	return pcrs
 }
 
-// imageManifest is berth-image.json for the lab's images of Kubernetes release, as the Packer plugin writes
-// it for real ones.
-func imageManifest(release string) *manifest.Manifest {
+// imageManifest is berth-image.json for the lab's images of Kubernetes release, and an upgrade's image of
+// each of upgrades, as the Packer plugin writes it for real ones.
+func imageManifest(release string, upgrades []string) *manifest.Manifest {
 	m := &manifest.Manifest{Version: manifest.Version}
-	for _, name := range ImageNames {
+	releases := map[string]string{}
+	names := slices.Clone(ImageNames)
+	for _, name := range names {
+		releases[name] = release
+	}
+	for i, r := range upgrades {
+		names = append(names, UpgradeImage(i))
+		releases[UpgradeImage(i)] = r
+	}
+	for _, name := range names {
+		release := releases[name]
 		pcrs := map[string]string{}
 		for i, v := range PredictedPCRs(name) {
 			pcrs[strconv.Itoa(i)] = hex.EncodeToString(v)

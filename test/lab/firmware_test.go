@@ -54,9 +54,9 @@ func readPCRs(t *testing.T, device string) map[int][]byte {
 }
 
 // TestImageManifest checks that the lab's berth-image.json is one Terraform's berth_image accepts, with
-// both images and their predicted PCRs.
+// both images and their predicted PCRs, and in a lab with upgrades' binaries an image of each upgrade's release.
 func TestImageManifest(t *testing.T) {
-	data, err := json.Marshal(imageManifest(repotest.KubernetesVersion))
+	data, err := json.Marshal(imageManifest(repotest.KubernetesVersion, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,6 +65,24 @@ func TestImageManifest(t *testing.T) {
 		t.Fatalf("the lab's manifest does not parse: %v\n%s", err, data)
 	}
 	checkManifest(t, m, repotest.KubernetesVersion)
+
+	upgrades := []string{"v1.99.0", "v1.99.1"}
+	if data, err = json.Marshal(imageManifest(repotest.KubernetesVersion, upgrades)); err != nil {
+		t.Fatal(err)
+	}
+	if m, err = manifest.Parse(data); err != nil {
+		t.Fatalf("the manifest of a lab with upgrades does not parse: %v\n%s", err, data)
+	}
+	for i, release := range upgrades {
+		name := UpgradeImage(i)
+		img, ok := m.Image(name)
+		if !ok || img.Components["kubernetes"] != release || img.PCRs["11"] != hex.EncodeToString(PredictedPCRs(name)[11]) {
+			t.Errorf("image %s: %+v (found %t), want release %s and its predicted PCR 11", name, img, ok, release)
+		}
+	}
+	if img, _ := m.Image(ImageNames[0]); img.Components["kubernetes"] != repotest.KubernetesVersion {
+		t.Errorf("image %s carries %s beside upgrades, want the lab's %s", ImageNames[0], img.Components["kubernetes"], repotest.KubernetesVersion)
+	}
 }
 
 // checkManifest checks a parsed manifest against ImageNames and PredictedPCRs, its images carrying

@@ -83,10 +83,13 @@ const (
 
 // HostConfig is the lab's host: what all its nodes share.
 type HostConfig struct {
-	Dir         string // the lab's directory (node disks, logs, manifest, metadata); removed by Down
-	KubeBin     string // directory with kubeadm, kubelet, kubectl, kube-apiserver, … and etcd
-	AgentBinary string // berth-agent
-	LabBinary   string // this lab's own command, which serves the metadata
+	Dir     string // the lab's directory (node disks, logs, manifest, metadata); removed by Down
+	KubeBin string // directory with kubeadm, kubelet, kubectl, kube-apiserver, … and etcd
+	// UpgradeKubeBins hold the binaries of the releases the cluster upgrades to, in order: the manifest lists
+	// UpgradeImage(i) of the i-th, whose machines run them.
+	UpgradeKubeBins []string
+	AgentBinary     string // berth-agent
+	LabBinary       string // this lab's own command, which serves the metadata
 	// AWS, if set, makes every node an EC2 instance (see AWSConfig), GCP a Compute Engine instance (see
 	// GCPConfig); with neither, nodes read the lab's own metadata service.
 	AWS *AWSConfig
@@ -129,7 +132,9 @@ type Lab struct {
 	cfg    HostConfig
 	ekCA   *swtpm.CA
 	images imageSet
-	Nodes  []*Node
+	// upgradeImages are those of UpgradeKubeBins.
+	upgradeImages []imageSet
+	Nodes         []*Node
 	// Progress, if set, receives a line for each step.
 	Progress io.Writer
 	// Kubeconfig is the admin kubeconfig: the one the init returned, rewritten for the host, after Up.
@@ -152,13 +157,16 @@ type Lab struct {
 
 // hostState is lab.json: what a later process needs to add nodes to the host.
 type hostState struct {
-	KubeBin     string     `json:"kubeBin"`
-	AgentBinary string     `json:"agentBinary"`
-	LabBinary   string     `json:"labBinary"`
-	ImageDir    string     `json:"imageDir"`
-	Images      imageSet   `json:"images"`
-	AWS         *AWSConfig `json:"aws,omitempty"`
-	GCP         *GCPConfig `json:"gcp,omitempty"`
+	KubeBin     string   `json:"kubeBin"`
+	AgentBinary string   `json:"agentBinary"`
+	LabBinary   string   `json:"labBinary"`
+	ImageDir    string   `json:"imageDir"`
+	Images      imageSet `json:"images"`
+	// UpgradeKubeBins and UpgradeImages are HostConfig.UpgradeKubeBins and their images.
+	UpgradeKubeBins []string   `json:"upgradeKubeBins,omitempty"`
+	UpgradeImages   []imageSet `json:"upgradeImages,omitempty"`
+	AWS             *AWSConfig `json:"aws,omitempty"`
+	GCP             *GCPConfig `json:"gcp,omitempty"`
 }
 
 func (l *Lab) path(p string) string { return filepath.Join(l.cfg.Dir, p) }
@@ -168,6 +176,10 @@ func (l *Lab) KubernetesVersion() string { return l.images.Kubernetes }
 
 // CoreDNSImage is the name kubeadm of the lab's release gives CoreDNS's image.
 func (l *Lab) CoreDNSImage() string { return l.images.image(coreDNSRepository) }
+
+// CoreDNSImage is the name kubeadm of the node's release gives CoreDNS's image: the lab's, or that of the
+// release its image carries.
+func (n *Node) CoreDNSImage() string { return n.images.image(coreDNSRepository) }
 
 // ManifestPath is the lab's berth-image.json, for Terraform's berth_image data source.
 func (l *Lab) ManifestPath() string { return l.path(manifestFile) }
@@ -225,6 +237,13 @@ func StartHost(ctx context.Context, cfg HostConfig) (*Lab, error) {
 			return nil, err
 		}
 		*p = abs
+	}
+	cfg.UpgradeKubeBins = slices.Clone(cfg.UpgradeKubeBins)
+	for i, p := range cfg.UpgradeKubeBins {
+		var err error
+		if cfg.UpgradeKubeBins[i], err = filepath.Abs(p); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.ImageDir != "" {
 		var err error
@@ -289,7 +308,21 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if l.images, err = imagesIn(ctx, l.cfg.KubeBin, l.cfg.ImageDir); err != nil {
 		return fmt.Errorf("images: %w", err)
 	}
-	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(ImageNames, ", "))
+	var upgrades []string
+	prev := l.images.Kubernetes
+	for _, bin := range l.cfg.UpgradeKubeBins {
+		set, err := imagesIn(ctx, bin, l.cfg.ImageDir)
+		if err != nil {
+			return fmt.Errorf("images of an upgrade's release: %w", err)
+		}
+		if set.Kubernetes == prev {
+			return fmt.Errorf("the upgrade's binaries in %s are of %s, the release before them: nothing to upgrade to", bin, prev)
+		}
+		l.upgradeImages = append(l.upgradeImages, set)
+		upgrades = append(upgrades, set.Kubernetes)
+		prev = set.Kubernetes
+	}
+	l.progress("EK CA (the TPM vendor) and image manifest %s (%s)", l.ManifestPath(), strings.Join(l.imageNames(), ", "))
 	if l.ekCA, err = swtpm.NewCA(l.path("ek-ca")); err != nil {
 		return err
 	}
@@ -300,7 +333,7 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if err := os.WriteFile(l.EKCAPath(), bundle, 0o644); err != nil {
 		return err
 	}
-	if err := writeJSON(l.ManifestPath(), imageManifest(l.KubernetesVersion())); err != nil {
+	if err := writeJSON(l.ManifestPath(), imageManifest(l.KubernetesVersion(), upgrades)); err != nil {
 		return err
 	}
 	doc := &metadata.Document{Instances: []metadata.Instance{}}
@@ -313,8 +346,9 @@ func (l *Lab) startHost(ctx context.Context) error {
 	if err := l.startMetadata(); err != nil {
 		return err
 	}
-	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, AgentBinary: l.cfg.AgentBinary,
-		LabBinary: l.cfg.LabBinary, ImageDir: l.cfg.ImageDir, Images: l.images, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
+	return writeJSON(l.path(hostFile), hostState{KubeBin: l.cfg.KubeBin, UpgradeKubeBins: l.cfg.UpgradeKubeBins,
+		AgentBinary: l.cfg.AgentBinary, LabBinary: l.cfg.LabBinary, ImageDir: l.cfg.ImageDir, Images: l.images,
+		UpgradeImages: l.upgradeImages, AWS: l.cfg.AWS, GCP: l.cfg.GCP})
 }
 
 // Open picks up the lab host StartHost made in dir, with the nodes its metadata lists.
@@ -338,8 +372,9 @@ func Open(dir string) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, AgentBinary: st.AgentBinary, LabBinary: st.LabBinary, ImageDir: st.ImageDir, AWS: st.AWS, GCP: st.GCP},
-		ekCA: ca, images: st.Images, start: time.Now(), Timings: map[string]time.Duration{}}
+	l := &Lab{cfg: HostConfig{Dir: dir, KubeBin: st.KubeBin, UpgradeKubeBins: st.UpgradeKubeBins, AgentBinary: st.AgentBinary,
+		LabBinary: st.LabBinary, ImageDir: st.ImageDir, AWS: st.AWS, GCP: st.GCP},
+		ekCA: ca, images: st.Images, upgradeImages: st.UpgradeImages, start: time.Now(), Timings: map[string]time.Duration{}}
 	doc, err := readDocument(l.path(documentFile))
 	if err != nil {
 		return nil, err

@@ -66,7 +66,7 @@ func (l *Lab) AddNode(ctx context.Context, m Machine) (*Node, error) {
 		}
 		m.UserData = ud
 	}
-	if err := checkMachine(m, ImageNames); err != nil {
+	if err := checkMachine(m, l.imageNames()); err != nil {
 		return nil, fmt.Errorf("node %s: %w", m.Name, err)
 	}
 	n := l.newNode(m)

@@ -62,9 +62,11 @@ type Node struct {
 
 	lab *Lab
 	// kubeBin is the directory of the node's Kubernetes binaries, and images the images of their release:
-	// the lab's, unless its machine had binaries of its own (Machine.KubeBin).
+	// the lab's, unless its image is an upgrade's (UpgradeImage) or its machine had binaries of its own
+	// (Machine.KubeBin). carried are the images of the release before, which such a node carries too.
 	kubeBin string
 	images  imageSet
+	carried imageSet
 	// ec2 is what the node is to EC2, in an AWS lab.
 	ec2 *ec2Instance
 	// gce is what the node is to Compute Engine, in a GCP lab.
@@ -92,15 +94,17 @@ type nodeState struct {
 	Booted  time.Time `json:"booted"`
 	KubeBin string    `json:"kubeBin,omitempty"`
 	Images  *imageSet `json:"images,omitempty"`
+	Carried *imageSet `json:"carried,omitempty"`
 }
 
 func (l *Lab) newNode(m Machine) *Node {
-	return &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), CloudInit: m.CloudInit, lab: l,
-		kubeBin: l.cfg.KubeBin, images: l.images}
+	n := &Node{Name: m.Name, Role: m.Role, Addr: m.Addr, Image: m.Image, Dir: l.path("nodes/" + m.Name), CloudInit: m.CloudInit, lab: l}
+	n.kubeBin, n.images, n.carried = l.release(m.Image)
+	return n
 }
 
 // useKubeBin makes the node run the Kubernetes binaries in dir, and load the images of their release,
-// made in the lab's image directory unless an earlier lab did.
+// made in the lab's image directory unless an earlier lab did, and of the lab's.
 func (n *Node) useKubeBin(ctx context.Context, dir string) error {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
@@ -109,7 +113,7 @@ func (n *Node) useKubeBin(ctx context.Context, dir string) error {
 	if n.images, err = imagesIn(ctx, dir, n.lab.cfg.ImageDir); err != nil {
 		return fmt.Errorf("images of %s: %w", dir, err)
 	}
-	n.kubeBin = dir
+	n.kubeBin, n.carried = dir, n.lab.images
 	return nil
 }
 
@@ -120,7 +124,7 @@ func (n *Node) save() error {
 	n.agentMu.Unlock()
 	st := nodeState{Holder: n.holder, Agent: pid, Booted: n.booted}
 	if n.kubeBin != n.lab.cfg.KubeBin {
-		st.KubeBin, st.Images = n.kubeBin, &n.images
+		st.KubeBin, st.Images, st.Carried = n.kubeBin, &n.images, &n.carried
 	}
 	return writeJSON(n.path("node.json"), st)
 }
@@ -152,7 +156,10 @@ func (n *Node) load() error {
 	}
 	n.holder, n.agentPID, n.booted = st.Holder, st.Agent, st.Booted
 	if st.KubeBin != "" {
-		n.kubeBin, n.images = st.KubeBin, *st.Images
+		n.kubeBin, n.images, n.carried = st.KubeBin, *st.Images, n.lab.images
+		if st.Carried != nil {
+			n.carried = *st.Carried
+		}
 	}
 	return nil
 }
@@ -332,6 +339,39 @@ func (n *Node) Reboot(ctx context.Context) error {
 	return n.powerOn(ctx)
 }
 
+// Reimage powers the node off, puts image on it and powers it on: a machine reinstalled in place, as a
+// bare-metal roll does, which keeps its TPM and state disk. The firmware measures the new image, and the node
+// runs the Kubernetes binaries of that image's release with the agent configuration the image brings, so
+// agent options set on the old image (SetAgentOption) are gone.
+func (n *Node) Reimage(ctx context.Context, image string) error {
+	if images := n.lab.imageNames(); !slices.Contains(images, image) {
+		return fmt.Errorf("reimaging %s: image %q is not one of the lab's images (%s)", n.Name, image, strings.Join(images, ", "))
+	}
+	n.PowerOff()
+	err := n.lab.withLock(func() error {
+		doc, err := readDocument(n.lab.path(documentFile))
+		if err != nil {
+			return err
+		}
+		for i := range doc.Instances {
+			if doc.Instances[i].Name == n.Name {
+				doc.Instances[i].ImageID = image
+			}
+		}
+		return writeJSON(n.lab.path(documentFile), doc)
+	})
+	if err != nil {
+		return fmt.Errorf("reimaging %s: %w", n.Name, err)
+	}
+	n.Image = image
+	n.kubeBin, n.images, n.carried = n.lab.release(image)
+	if err := n.writeConfigs(); err != nil {
+		return fmt.Errorf("reimaging %s: %w", n.Name, err)
+	}
+	n.lab.progress("%s: reimaged with %s (Kubernetes %s)", n.Name, image, n.images.Kubernetes)
+	return n.powerOn(ctx)
+}
+
 // mountNamespace makes the node's private mount and UTS namespaces, kept by a holder process, with the
 // node's own directories over the host's and hostname as its hostname.
 func (n *Node) mountNamespace(ctx context.Context, hostname string) error {
@@ -433,11 +473,12 @@ func (n *Node) startTPM() error {
 }
 
 // containerImages are the images the node loads: those of its release, control-plane images on a
-// control-plane node, and for a node of another release than the lab's also the lab's release's, which the
-// cluster's static pods and addons run; of two images of one name, its release's.
+// control-plane node, and for a node of another release than the lab's also those of the release before,
+// which the cluster's static pods and addons run until they are upgraded; of two images of one name, its
+// release's.
 func (n *Node) containerImages() []imageArchive {
 	var images []imageArchive
-	for _, set := range []imageSet{n.images, n.lab.images} {
+	for _, set := range []imageSet{n.images, n.carried} {
 		archives := set.Node
 		if n.Role == metadata.RoleControlPlane {
 			archives = slices.Concat(set.Node, set.ControlPlane)

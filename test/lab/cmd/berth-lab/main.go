@@ -16,6 +16,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -30,13 +31,17 @@ const usage = `berth-lab: a local attested Berth cluster.
   berth-lab down --dir DIR
         remove everything the lab made, nodes added by "node up" included
 
-  berth-lab host --dir DIR --kube-bin DIR --agent FILE
+  berth-lab host --dir DIR --kube-bin DIR --agent FILE [--upgrade-kube-bin DIR[,DIR]]
         the lab's host only: bridge, images, EK CA, image manifest, metadata service; prints the paths of
-        the image manifest (berth-image.json) and the EK CA bundle
+        the image manifest (berth-image.json) and the EK CA bundle. Each --upgrade-kube-bin directory holds
+        the binaries of a release to upgrade to, in order, and adds an image of it (berthlab-up1, …)
   berth-lab node up --dir DIR --name NAME --role control-plane|worker --addr 10.250.0.X
-                    --image berthlab-a|berthlab-b --user-data JSON [--kube-bin DIR]
+                    --image berthlab-a|berthlab-b|berthlab-upN --user-data JSON [--kube-bin DIR]
         add a machine to the host and power it on (JSON: berth_node_config's json); returns once its agent runs.
         --kube-bin gives it Kubernetes binaries of its own, of another release than the lab's
+  berth-lab node reimage --dir DIR --name NAME --image IMAGE
+        power a machine off, put another image on it and power it on: a reinstall in place that keeps its
+        TPM and state disk, as a bare-metal roll does
   berth-lab node down --dir DIR --name NAME
         power a machine off and remove it; removing a machine that is not there
         (or from a lab that is gone) is no error
@@ -75,11 +80,12 @@ func main() {
 	fs.Usage = func() { fmt.Fprint(os.Stderr, usage) }
 	dir := fs.String("dir", "/var/tmp/berth-lab", "the lab's directory")
 	kubeBin := fs.String("kube-bin", "", "directory of the Kubernetes binaries (make k8s-tools)")
+	upgradeKubeBins := fs.String("upgrade-kube-bin", "", "host: directories of the binaries of releases to upgrade to, comma-separated")
 	agent := fs.String("agent", "bin/berth-agent", "the berth-agent binary")
 	name := fs.String("name", "", "node: the machine's name")
 	role := fs.String("role", "", "node up: control-plane or worker")
 	addr := fs.String("addr", "", "node up: the machine's address in 10.250.0.0/24")
-	image := fs.String("image", "", "node up: the machine's image")
+	image := fs.String("image", "", "node up, node reimage: the machine's image")
 	userData := fs.String("user-data", "", "node up: the machine's user-data JSON")
 	kubeconfig := fs.String("kubeconfig", "", "wait: the cluster's admin kubeconfig")
 	timeout := fs.Duration("timeout", 10*time.Minute, "wait: how long to wait")
@@ -103,9 +109,11 @@ func main() {
 			fmt.Println("lab removed; nothing left:", len(lab.Leftovers(*dir)) == 0)
 		}
 	case "host":
-		err = host(ctx, *dir, *kubeBin, *agent)
+		err = host(ctx, *dir, *kubeBin, *upgradeKubeBins, *agent)
 	case "node up":
 		err = nodeUp(ctx, *dir, *name, *role, *addr, *image, *userData, *kubeBin)
+	case "node reimage":
+		err = nodeReimage(ctx, *dir, *name, *image)
 	case "node down":
 		err = nodeDown(ctx, *dir, *name)
 	case "wait":
@@ -144,7 +152,7 @@ func up(ctx context.Context, dir, kubeBin, agent string) error {
 	return report(ctx, l)
 }
 
-func host(ctx context.Context, dir, kubeBin, agent string) error {
+func host(ctx context.Context, dir, kubeBin, upgradeKubeBins, agent string) error {
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -152,7 +160,11 @@ func host(ctx context.Context, dir, kubeBin, agent string) error {
 	if kubeBin == "" {
 		return errors.New("--kube-bin is required (make k8s-tools prints it)")
 	}
-	l, err := lab.StartHost(ctx, lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: self, Progress: os.Stdout})
+	cfg := lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: self, Progress: os.Stdout}
+	if upgradeKubeBins != "" {
+		cfg.UpgradeKubeBins = strings.Split(upgradeKubeBins, ",")
+	}
+	l, err := lab.StartHost(ctx, cfg)
 	if err != nil {
 		return fmt.Errorf("%w\n(berth-lab down --dir %s removes what was made)", err, dir)
 	}
@@ -180,6 +192,22 @@ func nodeUp(ctx context.Context, dir, name, role, addr, image, userData, kubeBin
 	l.Progress = os.Stdout
 	_, err = l.AddNode(ctx, lab.Machine{Name: name, Role: metadata.Role(role), Addr: a, Image: image, UserData: ud, KubeBin: kubeBin})
 	return err
+}
+
+func nodeReimage(ctx context.Context, dir, name, image string) error {
+	if name == "" || image == "" {
+		return errors.New("node reimage needs --name and --image")
+	}
+	l, err := lab.Open(dir)
+	if err != nil {
+		return err
+	}
+	l.Progress = os.Stdout
+	n := l.Node(name)
+	if n == nil {
+		return fmt.Errorf("the lab in %s has no machine %s", dir, name)
+	}
+	return n.Reimage(ctx, image)
 }
 
 func nodeDown(ctx context.Context, dir, name string) error {
