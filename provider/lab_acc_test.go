@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -31,6 +32,7 @@ import (
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/policy"
 	"github.com/berthlabs/berth/internal/repotest"
+	"github.com/berthlabs/berth/test/clustertest"
 	"github.com/berthlabs/berth/test/lab"
 )
 
@@ -181,21 +183,9 @@ func TestAccLab(t *testing.T) {
 	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
 	labBin := repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", "")
 
-	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
-	var progress strings.Builder
-	if _, err := lab.StartHost(ctx, lab.HostConfig{Dir: dir, KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin, Progress: &progress}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := lab.Down(context.Background(), dir); err != nil {
-			t.Errorf("lab down: %v", err)
-		}
-		if left := lab.Leftovers(dir); len(left) > 0 {
-			t.Errorf("the lab left behind: %v", left)
-		}
-	})
+	_, dir, _ := startAccLab(ctx, t, lab.HostConfig{KubeBin: kubeBin, AgentBinary: agent, LabBinary: labBin})
 
 	root := make([]byte, 32)
 	if _, err := rand.Read(root); err != nil {
@@ -342,7 +332,31 @@ func TestAccLab(t *testing.T) {
 		},
 		Steps: steps,
 	})
-	t.Logf("lab host:\n%s", progress.String())
+}
+
+// startAccLab sets up a lab host in a directory of the test's from cfg (whose Dir, ImageDir and Progress it
+// sets), and takes it down when the test ends, whether or not the host came up whole, logging then what was
+// written to the progress writer it returns (the host's progress, and that of the labs the test opens with
+// it). The nodes' container images are made once per release for all the tests of the process, as the lab's
+// own tests do: each release's took half a minute.
+func startAccLab(ctx context.Context, t *testing.T, cfg lab.HostConfig) (*lab.Lab, string, io.Writer) {
+	t.Helper()
+	var progress clustertest.SafeBuffer
+	cfg.Dir, cfg.ImageDir, cfg.Progress = filepath.Join(t.TempDir(), "lab"), filepath.Join(testDir, "lab-images"), &progress
+	host, err := lab.StartHost(ctx, cfg)
+	t.Cleanup(func() {
+		if err := lab.Down(context.Background(), cfg.Dir); err != nil {
+			t.Errorf("lab down: %v", err)
+		}
+		if left := lab.Leftovers(cfg.Dir); len(left) > 0 {
+			t.Errorf("the lab left behind: %v", left)
+		}
+		t.Logf("lab host:\n%s", progress.String())
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return host, cfg.Dir, &progress
 }
 
 // measurementRefusal matches terraform's rendering of the attestation failure, which it wraps at spaces.

@@ -30,7 +30,6 @@ import (
 	"github.com/berthlabs/berth/internal/clusterinfo"
 	"github.com/berthlabs/berth/internal/kubeadm"
 	"github.com/berthlabs/berth/internal/repotest"
-	"github.com/berthlabs/berth/test/clustertest"
 	"github.com/berthlabs/berth/test/lab"
 )
 
@@ -201,24 +200,9 @@ func TestKubernetesUpgrade(t *testing.T) {
 	agent := repotest.BuildBinary(t, "./nodeagent/cmd/berth-agent", "")
 	labBin := repotest.BuildBinary(t, "./test/lab/cmd/berth-lab", "")
 
-	dir := filepath.Join(t.TempDir(), "lab")
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Minute)
 	defer cancel()
-	var progress clustertest.SafeBuffer
-	host, err := lab.StartHost(ctx, lab.HostConfig{Dir: dir, KubeBin: bins[0], UpgradeKubeBins: bins[1:],
-		AgentBinary: agent, LabBinary: labBin, Progress: &progress})
-	t.Cleanup(func() {
-		if err := lab.Down(context.Background(), dir); err != nil {
-			t.Errorf("lab down: %v", err)
-		}
-		if left := lab.Leftovers(dir); len(left) > 0 {
-			t.Errorf("the lab left behind: %v", left)
-		}
-		t.Logf("lab host:\n%s", progress.String())
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	host, dir, progress := startAccLab(ctx, t, lab.HostConfig{KubeBin: bins[0], UpgradeKubeBins: bins[1:], AgentBinary: agent, LabBinary: labBin})
 	releases := []string{host.KubernetesVersion()}
 	for _, bin := range bins[1:] {
 		r, err := (&kubeadm.Exec{Binary: filepath.Join(bin, "kubeadm")}).Version(ctx)
@@ -265,7 +249,7 @@ func TestKubernetesUpgrade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	u := &upgradeRun{dir: dir, progress: &progress}
+	u := &upgradeRun{dir: dir, progress: progress}
 	mirrored := map[string]resource.ExternalProvider{"berth": {Source: "berthlabs/berth"}}
 	step := func(s resource.TestStep) resource.TestStep {
 		s.Config, s.ExternalProviders = upgradeConfig, mirrored
